@@ -1,0 +1,34 @@
+# Two commands set everything up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test serve lint bench clean
+
+install: $(STAMP)
+
+# torch first and pinned (constraints.txt): any later resolver step then keeps the CPU build.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	@if $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia'; then \
+		echo "error: CUDA packages were installed; torch is not pinned" >&2; exit 1; fi
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+serve: install
+	$(VENV)/bin/octavo serve
+
+lint: install
+	$(VENV)/bin/ruff check engine kernels server tests benchmarks
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

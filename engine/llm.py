@@ -1,0 +1,98 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, vLLM style."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Runs a GPT-2 over a batch of prompts with continuous batching; keyword names mirror
+    EngineConfig. All prompts are validated before any runs: one bad prompt raises
+    ValueError and nothing is queued."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        kv_cache_gb: float | None = None,
+        seed: int = 0,
+    ):
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_gb=kv_cache_gb,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            seed=seed,
+        )
+        self.engine = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for "
+                                 f"{len(prompts)} prompts")
+        final_only = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        request_ids = [str(next(self._request_ids)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in zip(request_ids, prompts, final_only, strict=True):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[r] for r in request_ids]

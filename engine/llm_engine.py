@@ -1,0 +1,182 @@
+"""The synchronous engine core: requests in, one scheduled and executed step at a time, outputs out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.block_manager import BlockManager
+from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models.weights import load_model
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceGroup
+from engine.stop_checker import StopChecker
+from engine.tokenizer import IncrementalDetokenizer
+
+_GIB = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and tests."""
+
+    num_running_seqs: int
+    num_waiting_requests: int
+    num_free_blocks: int
+    num_usable_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Owns model, KV cache, scheduler and sampler; `step()` advances every running request.
+
+    Requests are validated in `add_request` (ValueError naming the parameter) before anything
+    is queued, so bad input never disturbs requests already running.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.torch_device
+        dtype = config.torch_dtype
+        backend = TorchAttentionBackend()
+        if config.block_size < backend.min_block_size:
+            raise ValueError(f"block_size must be >= {backend.min_block_size} for the "
+                             f"{backend.name} attention backend, got {config.block_size}")
+        loaded = load_model(config.model, config.load_format, backend, self.device, dtype,
+                            config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_id = loaded.eos_token_id
+        n_positions = self.model_config.n_positions
+        self.max_model_len = config.max_model_len or n_positions
+        if self.max_model_len > n_positions:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"n_positions ({n_positions})")
+
+        num_blocks = config.num_blocks or self._default_num_blocks(dtype)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        needed = self.block_manager.num_blocks_for_tokens(self.max_model_len)
+        if needed > self.block_manager.num_usable_blocks:
+            raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len "
+                             f"{self.max_model_len} ({needed} blocks of {config.block_size} "
+                             f"tokens plus the null block)")
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self.block_manager,
+            StopChecker(self.max_model_len, self.eos_token_id),
+        )
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(loaded.model, backend, self.block_manager,
+                                  Sampler(self.eos_token_id, generator), num_blocks,
+                                  config.block_size, self.device, dtype)
+        self._groups: dict[str, SequenceGroup] = {}
+
+    def _default_num_blocks(self, dtype: torch.dtype) -> int:
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+        else:
+            budget = (self.config.kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * _GIB
+        return max(int(budget // per_block), 2)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request; raises ValueError naming the offending parameter."""
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params)
+        group = SequenceGroup(request_id, prompt_text, prompt_ids, params,
+                              arrival_time or time.monotonic(), self.device)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        group.seqs.append(Sequence(self.scheduler.new_seq_id(), prompt_ids, detokenizer,
+                                   group.make_generator(0)))
+        self._groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer.json; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:4]}")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens, longer than max_model_len "
+                             f"({self.max_model_len})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be <= the vocabulary size {vocab}")
+        # Each group must fit alone even after a preemption undoes its prompt sharing.
+        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        blocks = params.n * self.block_manager.num_blocks_for_tokens(longest)
+        if blocks > self.block_manager.num_usable_blocks:
+            raise ValueError(f"n={params.n} sequences of up to {longest} tokens need {blocks} KV "
+                             f"blocks; the cache has {self.block_manager.num_usable_blocks}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its blocks now; its final output, or None if unknown."""
+        group = self.scheduler.abort(request_id)
+        self._groups.pop(request_id, None)
+        return RequestOutput.from_group(group) if group is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs and applies one step; returns outputs of requests that progressed
+        (only finished ones for FINAL_ONLY requests)."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        sampled = self.runner.execute(scheduled)
+        outputs = []
+        for group in self.scheduler.update(scheduled, sampled):
+            if group.is_finished:
+                del self._groups[group.request_id]
+            elif group.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            outputs.append(RequestOutput.from_group(group))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running_seqs=self.scheduler.num_running_seqs,
+            num_waiting_requests=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_usable_blocks=bm.num_usable_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

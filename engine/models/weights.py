@@ -1,0 +1,144 @@
+"""Finds a model (folder or hub id), builds GPT-2 and fills its weights (safetensors or dummy)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.attention.backend import AttentionBackend
+from engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from engine.tokenizer import Tokenizer
+
+# Shapes of the released GPT-2 sizes, for load_format="dummy" without a config.json.
+DUMMY_PRESETS = {
+    "gpt2": GPT2Config(n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": GPT2Config(n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-large": GPT2Config(n_layer=36, n_embd=1280, n_head=20),
+    "gpt2-xl": GPT2Config(n_layer=48, n_embd=1600, n_head=25),
+}
+# Hugging Face GPT-2 initialises weights from N(0, 0.02).
+DUMMY_INIT_STD = 0.02
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors",
+              "*.safetensors.index.json"]
+# Checkpoint entries that are buffers of older transformers versions, not weights.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+# HF GPT-2 stores these as Conv1D: weight [in, out], the transpose of nn.Linear's.
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@dataclass
+class LoadedModel:
+    model: GPT2LMHeadModel
+    config: GPT2Config
+    tokenizer: Tokenizer | None
+    eos_token_id: int | None
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder as is; otherwise a hub id downloaded (or found in the HF cache)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # offline, unknown repo, bad id: all mean "cannot load"
+        raise ValueError(
+            f"model {model!r} is neither a local folder nor a reachable Hugging Face hub id: {exc}"
+        ) from exc
+
+
+def load_model(
+    model: str,
+    load_format: str,
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> LoadedModel:
+    if load_format == "dummy" and model in DUMMY_PRESETS:
+        path, config = None, DUMMY_PRESETS[model]
+    else:
+        path = resolve_model_path(model)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model folder {path} has no config.json")
+        config = GPT2Config.from_hf_dict(json.loads(config_file.read_text()))
+    eos = _eos_token_id(path, config)
+    config = replace(config, eos_token_id=eos)
+
+    with torch.device("meta"):
+        net = GPT2LMHeadModel(config, backend)
+    net = net.to_empty(device=device)
+    if load_format == "dummy":
+        _init_dummy(net, seed)
+    else:
+        _load_safetensors(net, path, config)
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.wte.weight  # to_empty re-creates parameters: tie again
+    net = net.to(dtype).eval()
+
+    tokenizer = None
+    if path is not None and (path / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(path / "tokenizer.json")
+    return LoadedModel(net, config, tokenizer, eos)
+
+
+def _eos_token_id(path: Path | None, config: GPT2Config) -> int | None:
+    """generation_config.json's EOS (what HF generate stops on), else config.json's."""
+    eos = config.eos_token_id
+    if path is not None and (path / "generation_config.json").is_file():
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def _init_dummy(net: GPT2LMHeadModel, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif ".ln_" in name or name.startswith("ln_f"):
+                param.fill_(1.0)
+            else:
+                values = torch.randn(param.shape, generator=generator) * DUMMY_INIT_STD
+                param.copy_(values)
+
+
+def _load_safetensors(net: GPT2LMHeadModel, path: Path, config: GPT2Config) -> None:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if any(path.glob("*.bin")):
+            raise ValueError(f"{path}: only pickle (.bin) weights found; convert to safetensors")
+        raise ValueError(f"{path}: no .safetensors weights found")
+    checkpoint: dict[str, torch.Tensor] = {}
+    for file in files:
+        for key, tensor in load_file(str(file)).items():
+            checkpoint[key.removeprefix("transformer.")] = tensor
+    params = dict(net.named_parameters(remove_duplicate=False))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    unexpected = sorted(
+        k for k in checkpoint
+        if k not in params and not k.endswith(_IGNORED_SUFFIXES) and k != "lm_head.weight"
+    )
+    missing = sorted(k for k in params if k not in checkpoint)
+    if unexpected or missing:
+        raise ValueError(f"{path}: checkpoint does not match GPT-2: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            tensor = checkpoint[name]
+            if name.endswith(_CONV1D):
+                tensor = tensor.t()
+            if tensor.shape != param.shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.copy_(tensor)

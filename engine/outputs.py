@@ -1,0 +1,60 @@
+"""What the engine returns for a request (vLLM's RequestOutput / CompletionOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    token_ids includes the EOS or stop token that ended it (text does not). logprobs holds,
+    per generated token, {token_id: logprob} for the sampled token and the top-N alternatives
+    when SamplingParams.logprobs was set, else None. finish_reason is "stop", "length",
+    "abort" or None while running; stop_reason is the stop string or token id that matched.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's outputs, best or first sample first; `finished` once all are done."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    @classmethod
+    def from_group(cls, group: SequenceGroup) -> RequestOutput:
+        want_logprobs = group.sampling_params.logprobs is not None
+        outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
+        return cls(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                   group.is_finished)
+
+
+def _completion(index: int, seq: Sequence, want_logprobs: bool) -> CompletionOutput:
+    return CompletionOutput(
+        index=index,
+        text=seq.detokenizer.text,
+        token_ids=seq.output_token_ids,
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=list(seq.output_logprobs) if want_logprobs else None,
+        finish_reason=seq.status.finish_reason,
+        stop_reason=seq.stop_reason,
+    )

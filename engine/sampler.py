@@ -1,0 +1,168 @@
+"""Token sampling for a batch of sequences, each with its own SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass
+class SamplingRequest:
+    """One row of logits: the sequence that receives the token and its request's parameters."""
+
+    params: SamplingParams
+    seq: Sequence
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.seq.generator
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the sampled token, its log-probability, and the top-N map when requested."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Turns logits into tokens following vLLM's order of operations.
+
+    penalties (repetition on prompt + output, presence/frequency on output) -> min_tokens mask
+    of EOS and stop_token_ids -> greedy argmax, or temperature -> min_p -> top_k -> top_p ->
+    a draw. A draw is argmax(probs / Exp(1) noise), an exact sample from `probs`; a seeded
+    request draws its noise from its own generator, so the tokens it gets do not depend on the
+    other rows. Reported log-probabilities are those of the model (log_softmax of the raw
+    logits), as vLLM reports them.
+    """
+
+    def __init__(self, eos_token_id: int | None, generator: torch.Generator):
+        self.eos_token_id = eos_token_id
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
+        """logits: [num_rows, vocab] float32, one row per request."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._process(logits, requests)
+        sampled = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            sampled[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
+        token_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)
+        token_ids = sampled.tolist()
+        top = self._top_logprobs(logprobs, token_ids, token_logprobs, requests)
+        return SamplerOutput(token_ids, token_logprobs.tolist(), top)
+
+    def _process(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+        """Applies penalties and the min_tokens mask, copying `logits` only when needed."""
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        masked = [i for i, r in enumerate(requests) if self._min_tokens_mask(r)]
+        if not penalized and not masked:
+            return logits
+        logits = logits.clone()
+        for i in penalized:
+            logits[i] = apply_penalties(logits[i], requests[i])
+        for i in masked:
+            logits[i, self._min_tokens_mask(requests[i])] = float("-inf")
+        return logits
+
+    def _min_tokens_mask(self, request: SamplingRequest) -> list[int]:
+        """Token ids that may not be drawn yet because min_tokens is not reached."""
+        params = request.params
+        if request.seq.num_output_tokens >= params.min_tokens:
+            return []
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stop_ids.append(self.eos_token_id)
+        return stop_ids
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
+        temperatures = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        logits = logits / temperatures[:, None]
+        params = [r.params for r in requests]
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, [p.min_p for p in params])
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            draws = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
+            noise[unseeded] = draws.exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_logprobs(
+        logprobs: torch.Tensor,
+        token_ids: list[int],
+        token_logprobs: torch.Tensor,
+        requests: list[SamplingRequest],
+    ) -> list[dict[int, float] | None]:
+        out: list[dict[int, float] | None] = [None] * len(requests)
+        for i, request in enumerate(requests):
+            n = request.params.logprobs
+            if n is None:
+                continue
+            values, ids = logprobs[i].topk(n) if n > 0 else (logprobs[i][:0], logprobs[i][:0])
+            entry = {token_ids[i]: float(token_logprobs[i])}
+            for token, value in zip(ids.tolist(), values.tolist(), strict=True):
+                entry.setdefault(int(token), value)
+            out[i] = entry
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Tensor:
+    """One row's repetition, frequency and presence penalties (vLLM / OpenAI semantics).
+
+    repetition: a logit of a token seen in the prompt or output is divided by the penalty when
+    positive and multiplied by it when negative. frequency: minus penalty x count in output.
+    presence: minus penalty if it occurs in output at all.
+    """
+    params = request.params
+    vocab = logits.shape[0]
+    seq = request.seq
+    output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+        penalty = params.repetition_penalty
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Masks tokens whose probability is below min_p x the top token's probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(
+        min_p, dtype=probs.dtype, device=probs.device
+    )[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keeps each row's top_k largest logits (k <= 0: all), then the smallest set of the most
+    likely tokens whose probability mass reaches top_p (the top token is always kept)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 must keep everything: rounding can push mass_before to 1.0.
+    p = torch.tensor([v if v < 1.0 else float("inf") for v in top_p], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,226 @@
+"""Continuous batching by token budget: decode-first, chunked prefill, preemption by recompute."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sampler import SamplerOutput
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.stop_checker import StopChecker
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work in a step.
+
+    The step computes tokens [num_computed, num_computed + num_new_tokens) of `seq`. When that
+    reaches the end of its tokens, the logits of the last one are sampled once for every
+    sequence in `sample_seqs`: `[seq]`, or `seq` and the children forked from it this step
+    (the prompt of an n > 1 request is computed once, then sampled n times).
+    """
+
+    group: SequenceGroup
+    seq: Sequence
+    num_new_tokens: int
+    sample_seqs: list[Sequence]
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan: sequences with one query token come first (the decode fast path)."""
+
+    scheduled: list[ScheduledSequence]
+    blocks_to_copy: list[tuple[int, int]]
+    num_batched_tokens: int
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class Scheduler:
+    """Decides each step which tokens of which sequences to compute, and applies the results.
+
+    Every step: running groups, in admission order, get their remaining tokens (one per decoding
+    sequence, a chunk for a prompt still being prefilled) under `max_num_batched_tokens`; when
+    the BlockManager cannot hold them, the most recently admitted group is preempted (its
+    blocks freed, its tokens kept, recomputed later from the front of the waiting queue).
+    Then waiting groups are admitted, in arrival order, while budget, `max_num_seqs` and free
+    blocks allow; a prompt longer than the remaining budget is prefilled in chunks.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 stop_checker: StopChecker):
+        self.config = config
+        self.block_manager = block_manager
+        self.stop_checker = stop_checker
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.num_preemptions = 0
+        self._seq_ids = itertools.count()
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Finishes a request as aborted and frees its blocks at once; None if unknown."""
+        for queue in (self.waiting, self.running):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.unfinished_seqs:
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return group
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.unfinished_seqs) for g in self.running)
+
+    # -- scheduling --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[SequenceGroup] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            group = self.running[index]
+            plan = self._plan(group, budget)
+            while not self._fits(plan):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is group:
+                    break
+            if group in preempted:
+                break
+            budget -= self._commit(group, plan, scheduled)
+            index += 1
+
+        num_seqs = self.num_running_seqs
+        while self.waiting and budget > 0 and not preempted:
+            group = self.waiting[0]
+            seqs = group.unfinished_seqs
+            if num_seqs + max(len(seqs), group.sampling_params.n) > self.config.max_num_seqs:
+                break
+            plan = self._plan(group, budget)
+            if not self._fits(plan):
+                break
+            self.waiting.popleft()
+            self.running.append(group)
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = time.monotonic()
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            num_seqs += max(len(seqs), group.sampling_params.n)
+            budget -= self._commit(group, plan, scheduled)
+
+        # Stable: decodes first, each part still in admission order.
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            blocks_to_copy=self.block_manager.take_copies(),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted=preempted,
+        )
+
+    def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """How many tokens each unfinished sequence of `group` computes within `budget`."""
+        plan = []
+        for seq in group.unfinished_seqs:
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                break
+            plan.append((seq, num_new))
+            budget -= num_new
+        return plan
+
+    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+        bm = self.block_manager
+        return sum(bm.num_new_blocks_needed(s, n) for s, n in plan) <= bm.num_free_blocks
+
+    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
+                scheduled: list[ScheduledSequence]) -> int:
+        """Allocates the planned slots, forks n > 1 samples off a completed prompt; returns
+        the number of tokens scheduled."""
+        for seq, num_new in plan:
+            self.block_manager.append_slots(seq, num_new)
+            sample_seqs = []
+            if num_new == seq.num_uncomputed_tokens:
+                sample_seqs = [seq]
+                if group.needs_fork:
+                    sample_seqs += self._fork(group, seq)
+            scheduled.append(ScheduledSequence(group, seq, num_new, sample_seqs))
+        return sum(n for _, n in plan)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        children = []
+        while group.needs_fork:
+            child = parent.fork(self.new_seq_id(), group.make_generator(len(group.seqs)))
+            self.block_manager.fork(parent, child)
+            group.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        for seq in group.unfinished_seqs:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        group.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(group)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceGroup]:
+        """Appends the sampled tokens, applies stop rules, frees finished sequences; returns
+        the groups that received tokens this step, finished ones included."""
+        now = time.monotonic()
+        row = 0
+        updated: dict[int, SequenceGroup] = {}
+        for item in output.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            group = item.group
+            for seq in item.sample_seqs:
+                seq.num_computed_tokens = item.seq.num_computed_tokens
+                seq.append_token(sampled.token_ids[row], sampled.logprobs[row],
+                                 sampled.top_logprobs[row])
+                row += 1
+                self._check_stop(group, seq)
+                updated[id(group)] = group
+            if item.sample_seqs and group.first_token_time is None:
+                group.first_token_time = now
+        if any(g.is_finished for g in updated.values()):
+            self.running = [g for g in self.running if not g.is_finished]
+        return list(updated.values())
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        new_text = seq.detokenizer.step(seq.output_token_ids)
+        self.stop_checker.check(seq, group.sampling_params, new_text)
+        if not seq.is_finished:
+            return
+        if not isinstance(seq.stop_reason, str):
+            seq.detokenizer.flush(seq.output_token_ids)
+        self.block_manager.free(seq)

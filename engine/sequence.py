@@ -1,0 +1,138 @@
+"""Sequences and sequence groups: the engine's per-request state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: the prompt plus what has been generated for it.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache; the tokens after it are
+    what the next step must compute (a prefill chunk, or the one decode token). Preemption by
+    recompute resets it to 0 and keeps the tokens.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None):
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def fork(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
+        """A copy that shares nothing mutable with this one (block sharing is the BlockManager's)."""
+        child = Sequence(seq_id, self.prompt_token_ids, self.detokenizer.copy(), generator)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        return child
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """All sequences of one request: one before its prompt is computed, `n` after it forks.
+
+    The group is the unit of admission and preemption; its sequences are scheduled together.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def make_generator(self, index: int) -> torch.Generator | None:
+        """The random generator of sample `index` of a seeded request (seed + index, as vLLM
+        seeds parallel samples), or None to draw from the engine's shared generator."""
+        seed = self.sampling_params.seed
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed + index)
+
+    @property
+    def needs_fork(self) -> bool:
+        """True until the prompt has been sampled into `n` sequences."""
+        return len(self.seqs) < self.sampling_params.n
