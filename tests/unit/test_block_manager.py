@@ -1,0 +1,121 @@
+"""BlockManager with exact block ids at tiny sizes; invariants after every operation."""
+
+import pytest
+
+from engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer
+
+
+def make_seq(seq_id: int, num_tokens: int) -> Sequence:
+    return Sequence(seq_id, list(range(1, num_tokens + 1)), IncrementalDetokenizer(None))
+
+
+def compute(bm: BlockManager, seq: Sequence, num_new: int) -> None:
+    """What a step does: make room, then count the tokens as computed."""
+    assert bm.can_append(seq, num_new)
+    bm.append_slots(seq, num_new)
+    seq.num_computed_tokens += num_new
+    bm.check_invariants()
+
+
+def test_allocation_uses_lowest_free_blocks_and_never_the_null_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = make_seq(0, 6), make_seq(1, 3)
+    compute(bm, a, 6)
+    compute(bm, b, 3)
+    assert bm.get_block_table(a) == [1, 2]
+    assert bm.get_block_table(b) == [3]
+    assert bm.num_free_blocks == 4 and NULL_BLOCK not in bm.get_block_table(a)
+    # Two more tokens for a: position 6, 7 still fit in block 2; position 8 opens block 4.
+    compute(bm, a, 2)
+    assert bm.get_block_table(a) == [1, 2]
+    compute(bm, a, 1)
+    assert bm.get_block_table(a) == [1, 2, 4]
+    bm.free(a)
+    bm.check_invariants()
+    bm.free(b)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 7 and bm.usage == 0.0
+
+
+def test_chunked_allocation_counts_blocks_exactly():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    seq = make_seq(0, 17)
+    assert bm.num_new_blocks_needed(seq, 5) == 2
+    compute(bm, seq, 5)
+    assert bm.num_new_blocks_needed(seq, 3) == 0  # positions 5..7 fit in block 2
+    assert bm.num_new_blocks_needed(seq, 12) == 3
+    assert bm.can_append(seq, 15)  # 20 tokens: 5 blocks, all usable ones
+    assert not bm.can_append(seq, 16)
+    with pytest.raises(NoFreeBlocksError):
+        bm.append_slots(seq, 17)
+    bm.check_invariants()
+
+
+def test_fork_shares_blocks_and_copy_on_write_copies_only_the_partial_last_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = make_seq(0, 6)
+    compute(bm, parent, 6)  # blocks [1, 2]; block 2 holds positions 4, 5
+    child = parent.fork(1, None)
+    bm.fork(parent, child)
+    bm.check_invariants()
+    assert bm.get_block_table(child) == [1, 2]
+    assert bm.ref_counts[1] == 2 and bm.ref_counts[2] == 2
+    child.token_ids.append(7)
+    parent.token_ids.append(8)
+    # The child writes position 6 into shared block 2: it gets block 3, a copy of block 2.
+    assert bm.num_new_blocks_needed(child, 1) == 1
+    compute(bm, child, 1)
+    assert bm.get_block_table(child) == [1, 3]
+    assert bm.take_copies() == [(2, 3)]
+    assert bm.take_copies() == []
+    # The parent is now block 2's only holder: it writes in place, nothing is copied.
+    assert bm.num_new_blocks_needed(parent, 1) == 0
+    compute(bm, parent, 1)
+    assert bm.get_block_table(parent) == [1, 2]
+    assert bm.take_copies() == []
+    assert bm.ref_counts[1] == 2
+    bm.free(parent)
+    bm.check_invariants()
+    assert bm.ref_counts[1] == 1 and bm.ref_counts[2] == 0
+    bm.free(child)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 7
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = make_seq(0, 8)
+    compute(bm, parent, 8)  # [1, 2], both full
+    children = []
+    for seq_id in (1, 2, 3):
+        child = parent.fork(seq_id, None)
+        bm.fork(parent, child)
+        bm.check_invariants()
+        children.append(child)
+    for i, child in enumerate(children):
+        child.token_ids.append(100 + i)
+        compute(bm, child, 1)
+    assert [bm.get_block_table(c) for c in children] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    assert bm.take_copies() == []
+    assert bm.ref_counts[1] == 4
+    for seq in (parent, *children):
+        bm.free(seq)
+        bm.check_invariants()
+    assert bm.num_free_blocks == 7
+
+
+def test_freeing_an_unknown_sequence_is_a_no_op_and_invariants_catch_corruption():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = make_seq(0, 3)
+    bm.free(seq)
+    compute(bm, seq, 3)
+    bm.ref_counts[1] += 1  # corrupt: one more reference than holders
+    with pytest.raises(AssertionError, match="ref count"):
+        bm.check_invariants()
+
+
+def test_block_manager_rejects_too_few_blocks():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(num_blocks=1, block_size=4)

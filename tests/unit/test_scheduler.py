@@ -1,0 +1,161 @@
+"""Scheduler: token budget, chunked prefill, decode-first, preemption, abort, n > 1 forking."""
+
+import itertools
+
+from engine.block_manager import BlockManager
+from engine.sampler import SamplerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.stop_checker import StopChecker
+from engine.tokenizer import IncrementalDetokenizer
+
+EOS = 0
+_tokens = itertools.count(10)
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, max_model_len=64):
+    bm = BlockManager(num_blocks, block_size)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget), bm,
+                          StopChecker(max_model_len, EOS))
+    return scheduler, bm
+
+
+def add(scheduler, request_id, prompt_len, **params):
+    params.setdefault("max_tokens", 8)
+    group = SequenceGroup(request_id, None, list(range(1, prompt_len + 1)),
+                          SamplingParams(temperature=0.0, **params), arrival_time=0.0)
+    group.seqs.append(Sequence(scheduler.new_seq_id(), group.prompt_token_ids,
+                               IncrementalDetokenizer(None)))
+    scheduler.add(group)
+    return group
+
+
+def step(scheduler: Scheduler, bm: BlockManager) -> SchedulerOutput:
+    """One engine step with a fake model that samples a fresh non-EOS token per row."""
+    out = scheduler.schedule()
+    bm.check_invariants()
+    rows = sum(len(s.sample_seqs) for s in out.scheduled)
+    tokens = [next(_tokens) for _ in range(rows)]
+    scheduler.update(out, SamplerOutput(tokens, [0.0] * rows, [None] * rows))
+    bm.check_invariants()
+    return out
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.group.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
+    scheduler, bm = make_scheduler(budget=8)
+    group = add(scheduler, "a", 20)
+    seq = group.seqs[0]
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 8)] and out.scheduled[0].sample_seqs == []
+    assert bm.get_block_table(seq) == [1, 2]
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 8)]
+    assert bm.get_block_table(seq) == [1, 2, 3, 4]
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 4)] and out.scheduled[0].sample_seqs == [seq]
+    assert seq.num_output_tokens == 1 and seq.num_computed_tokens == 20
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 1)]
+    assert bm.get_block_table(seq) == [1, 2, 3, 4, 5, 6]  # position 20 opens a sixth block
+
+
+def test_running_decodes_come_first_and_waiting_prompts_fill_the_rest():
+    scheduler, bm = make_scheduler(budget=6)
+    add(scheduler, "a", 3)
+    step(scheduler, bm)  # a prefilled, one token sampled
+    add(scheduler, "b", 10)
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 1), ("b", 5)]
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 1), ("b", 5)]
+    out = step(scheduler, bm)
+    assert plan(out) == [("a", 1), ("b", 1)]
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler, bm = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        add(scheduler, name, 2)
+    out = step(scheduler, bm)
+    assert [r for r, _ in plan(out)] == ["a", "b"]
+    assert [g.request_id for g in scheduler.waiting] == ["c"]
+
+
+def test_preemption_frees_the_newest_group_and_recomputes_it_later():
+    # 6 usable blocks of 2 tokens. a and b each hold 3 blocks after their prompts (5 tokens).
+    scheduler, bm = make_scheduler(num_blocks=7, block_size=2, budget=16)
+    a = add(scheduler, "a", 5, max_tokens=4)
+    b = add(scheduler, "b", 5, max_tokens=4)
+    step(scheduler, bm)
+    assert bm.get_block_table(a.seqs[0]) == [1, 2, 3]
+    assert bm.get_block_table(b.seqs[0]) == [4, 5, 6]
+    assert bm.num_free_blocks == 0
+    # Position 5 fits in the third blocks; position 6 needs a new block each.
+    step(scheduler, bm)
+    out = step(scheduler, bm)
+    assert [g.request_id for g in out.preempted] == ["b"]
+    assert plan(out) == [("a", 1)]
+    assert b.seqs[0].status is SequenceStatus.WAITING and b.seqs[0].num_computed_tokens == 0
+    assert scheduler.waiting[0] is b and scheduler.num_preemptions == 1
+    assert bm.get_block_table(a.seqs[0]) == [1, 2, 3, 4]  # b's freed blocks, lowest first
+    # b keeps its generated tokens and is recomputed once a has finished.
+    b_tokens = list(b.seqs[0].token_ids)
+    while not a.is_finished:
+        step(scheduler, bm)
+    assert bm.num_free_blocks == 6
+    out = step(scheduler, bm)
+    assert plan(out) == [("b", len(b_tokens))]
+    while scheduler.has_unfinished():
+        step(scheduler, bm)
+    assert b.seqs[0].token_ids[: len(b_tokens)] == b_tokens
+    assert b.seqs[0].num_output_tokens == 4
+    assert bm.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_at_once_for_running_and_waiting_requests():
+    scheduler, bm = make_scheduler(max_num_seqs=1)
+    a = add(scheduler, "a", 9)
+    b = add(scheduler, "b", 3)
+    step(scheduler, bm)
+    assert bm.num_free_blocks == 15 - 3
+    assert scheduler.abort("a") is a
+    bm.check_invariants()
+    assert bm.num_free_blocks == 15
+    assert a.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert scheduler.abort("b") is b and not scheduler.has_unfinished()
+    assert scheduler.abort("missing") is None
+
+
+def test_finished_sequences_give_back_their_blocks():
+    scheduler, bm = make_scheduler()
+    add(scheduler, "a", 7, max_tokens=3)
+    add(scheduler, "b", 2, max_tokens=5)
+    while scheduler.has_unfinished():
+        step(scheduler, bm)
+    assert bm.num_free_blocks == 15 and bm.block_tables == {}
+
+
+def test_parallel_samples_fork_off_the_prompt_and_share_its_blocks():
+    scheduler, bm = make_scheduler(block_size=4)
+    group = add(scheduler, "a", 6, n=3, max_tokens=4)
+    out = step(scheduler, bm)
+    parent = group.seqs[0]
+    assert len(group.seqs) == 3
+    assert out.scheduled[0].sample_seqs == group.seqs
+    tables = [bm.get_block_table(s) for s in group.seqs]
+    assert tables == [[1, 2]] * 3 and bm.ref_counts[1] == 3 and bm.ref_counts[2] == 3
+    assert len({s.token_ids[-1] for s in group.seqs}) == 3  # each sample drew its own token
+    # Each sample writes position 6 into shared block 2: two copy it, the last owns it.
+    out = step(scheduler, bm)
+    assert out.blocks_to_copy == [(2, 3), (2, 4)]
+    assert [bm.get_block_table(s) for s in group.seqs] == [[1, 3], [1, 4], [1, 2]]
+    assert bm.ref_counts[1] == 3 and parent.num_computed_tokens == 7
+    while scheduler.has_unfinished():
+        step(scheduler, bm)
+    assert all(s.num_output_tokens == 4 for s in group.seqs)
+    assert bm.num_free_blocks == 15
