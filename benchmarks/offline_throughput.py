@@ -1,0 +1,504 @@
+"""Offline throughput: Octavo's `LLM.generate` against Hugging Face peers on one workload.
+
+Workload (every value can be changed on the command line):
+  * a GPT-2-shaped model with dummy weights (6 layers, n_embd 512, 8 heads, vocab 50257,
+    n_positions 1024), written once with a fixed torch seed as a Hugging Face folder
+    (config.json + model.safetensors) in a temporary directory, so every system runs the
+    very same weights;
+  * 48 requests whose prompt lengths are uniform in [16, 256] and output lengths uniform in
+    [16, 128], drawn with random.Random(seed); prompt token ids are random;
+  * greedy decoding, EOS ignored: every request generates exactly its own output length;
+  * float32 on CPU by default (--device cuda / --dtype float16 for a GPU).
+
+Systems, each timed with time.perf_counter on the same requests after one small warm-up run
+of that system (excluded from the timing; so is model loading and KV cache allocation):
+  1. octavo     Octavo `LLM.generate`, all requests submitted at once, each with its own
+                max_tokens (continuous batching).
+  2. hf_static  Hugging Face `model.generate` on static batches of --batch-size requests in
+                order, left padded with an attention mask, max_new_tokens = the longest output
+                of the batch. Only each request's own output length counts as useful; the
+                rest of the batch's generation is waste.
+  3. hf_cb      Hugging Face's own continuous batching (the manager behind
+                `model.generate_batch`), each request added with its own max_new_tokens.
+
+Useful output tokens/s = sum of requested output lengths / wall time, the same numerator for
+every system. Correctness is checked cheaply: Octavo's greedy tokens of the first few requests
+are compared with those of hf_static (reported as "greedy_match", never fatal).
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/offline_throughput.py
+    .venv/bin/python benchmarks/offline_throughput.py --num-requests 16 --layers 2 --skip-hf-cb
+
+A table is printed and the JSON result is written to --result-file
+(default benchmarks/results/offline_throughput_cpu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+try:
+    import engine  # noqa: F401
+except ImportError:  # run as a plain script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2Config, GPT2LMHeadModel
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from engine import LLM, SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RESULT_FILE = REPO_ROOT / "benchmarks" / "results" / "offline_throughput_cpu.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PAD_TOKEN_ID = 0  # any id works: padded positions are masked out
+HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)
+WARMUP_REQUESTS = 4
+WARMUP_PROMPT_LEN = 16
+WARMUP_OUTPUT_LEN = 8
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests every system runs: prompt token ids and each request's output length."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class SystemResult:
+    """One system's timing on the workload; `outputs` holds its generated ids per request."""
+
+    name: str
+    wall_s: float | None = None
+    useful_output_tokens: int = 0
+    useful_output_tokens_per_s: float | None = None
+    total_tokens_processed: int = 0
+    error: str | None = None
+    notes: str = ""
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        del data["outputs"]
+        return data
+
+
+# -- setup ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=512, help="n_embd")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--n-positions", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="Octavo and HF CB batch cap")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="per-step token budget of Octavo and HF CB")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0,
+                   help="KV cache size given to Octavo and to HF CB")
+    p.add_argument("--greedy-check", type=int, default=4,
+                   help="how many leading requests to compare between Octavo and hf_static")
+    p.add_argument("--skip-hf-static", action="store_true")
+    p.add_argument("--skip-hf-cb", action="store_true")
+    p.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
+    return p.parse_args(argv)
+
+
+def make_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> Workload:
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_requests):
+        n = rng.randint(*prompt_len)
+        prompts.append([rng.randrange(vocab_size) for _ in range(n)])
+        output_lens.append(rng.randint(*output_len))
+    return Workload(prompts, output_lens)
+
+
+def warmup_workload(workload: Workload) -> Workload:
+    """A few short requests cut from the real ones, to pay one-off costs outside the timing."""
+    n = min(WARMUP_REQUESTS, workload.num_requests)
+    prompts = [p[:WARMUP_PROMPT_LEN] for p in workload.prompts[:n]]
+    return Workload(prompts, [WARMUP_OUTPUT_LEN] * n)
+
+
+def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
+    """Writes a dummy-weight GPT-2 as a Hugging Face folder (lm_head tied, not stored)."""
+    eos = args.vocab - 1  # never stops anything: every system ignores EOS
+    config = GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=args.n_positions,
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    torch.manual_seed(args.seed)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return config
+
+
+def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
+    model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # EOS must never end a sequence
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model.to(device).eval()
+
+
+def machine_info(device: str) -> dict:
+    model_name = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    info = {
+        "cpu_model": model_name,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+# -- the systems ----------------------------------------------------------------------------
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_octavo(llm: LLM, workload: Workload) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in workload.output_lens]
+    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_hf_static(model: GPT2LMHeadModel, workload: Workload, batch_size: int,
+                  device: str) -> list[list[int]]:
+    """Static batches in request order, left padded; each request keeps its own length."""
+    outputs: list[list[int]] = []
+    for start in range(0, workload.num_requests, batch_size):
+        prompts = workload.prompts[start : start + batch_size]
+        lens = workload.output_lens[start : start + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = [[PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts]
+        mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+        max_new = max(lens)
+        generated = model.generate(
+            input_ids=torch.tensor(ids, device=device),
+            attention_mask=torch.tensor(mask, device=device),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_TOKEN_ID,
+        )
+        if generated.shape[1] != width + max_new:
+            raise RuntimeError(f"HF generate stopped early: {generated.shape[1] - width} of "
+                               f"{max_new} new tokens")
+        rows = generated[:, width:].tolist()
+        outputs.extend(row[:n] for row, n in zip(rows, lens, strict=True))
+    return outputs
+
+
+def hf_static_tokens_processed(workload: Workload, batch_size: int) -> int:
+    """Prompt tokens (with padding) plus generated tokens (with waste) of the static batches."""
+    total = 0
+    for start in range(0, workload.num_requests, batch_size):
+        prompts = workload.prompts[start : start + batch_size]
+        lens = workload.output_lens[start : start + batch_size]
+        total += len(prompts) * (max(len(p) for p in prompts) + max(lens))
+    return total
+
+
+def hf_cb_config(args: argparse.Namespace, model_config: GPT2Config) -> ContinuousBatchingConfig:
+    """Sizes HF CB like Octavo: same step token budget, batch cap and KV cache bytes."""
+    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    bytes_per_block = 2 * model_config.n_layer * HF_CB_PAGE_SIZE * model_config.n_embd * element
+    return ContinuousBatchingConfig(
+        page_size=HF_CB_PAGE_SIZE,
+        num_blocks=max(1, int(args.kv_cache_gb * GIB // bytes_per_block)),
+        max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs,
+    )
+
+
+def run_hf_cb_requests(manager, workload: Workload, tag: str) -> list[list[int]]:
+    """Adds every request with its own max_new_tokens and waits for all of them."""
+    ids = [f"{tag}_{i}" for i in range(workload.num_requests)]
+    for request_id, prompt, n in zip(ids, workload.prompts, workload.output_lens, strict=True):
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=n, eos_token_id=-1)
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("HF continuous batching thread stopped unexpectedly")
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"HF CB request {result.request_id} failed: {result.error}")
+            done[result.request_id] = list(result.generated_tokens)
+    return [done[i] for i in ids]
+
+
+# -- timing and reporting -------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], list[list[int]]], device: str) -> tuple[float, list[list[int]]]:
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = fn()
+    synchronize(device)
+    return time.perf_counter() - start, outputs
+
+
+def finish(result: SystemResult, wall_s: float, outputs: list[list[int]],
+           workload: Workload, tokens_processed: int) -> SystemResult:
+    got = [len(o) for o in outputs]
+    if got != workload.output_lens:
+        bad = sum(g != w for g, w in zip(got, workload.output_lens, strict=True))
+        result.notes += f" WARNING: {bad} requests did not produce their exact output length."
+    result.wall_s = wall_s
+    result.outputs = outputs
+    result.useful_output_tokens = workload.output_tokens
+    result.useful_output_tokens_per_s = workload.output_tokens / wall_s
+    result.total_tokens_processed = tokens_processed
+    return result
+
+
+def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> SystemResult:
+    result = SystemResult("octavo", notes=(
+        "LLM.generate with all requests at once, per-request max_tokens, ignore_eos=True; "
+        f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
+        f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}."))
+    llm = LLM(model=str(folder), dtype=args.dtype, device=args.device,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_gb=args.kv_cache_gb, seed=args.seed)
+    run_octavo(llm, warmup_workload(workload))
+    wall_s, outputs = timed(lambda: run_octavo(llm, workload), args.device)
+    preemptions = llm.engine.stats().num_preemptions
+    result.notes += f" Preemptions (incl. warm-up): {preemptions}."
+    return finish(result, wall_s, outputs, workload, workload.prompt_tokens + workload.output_tokens)
+
+
+def bench_hf_static(args: argparse.Namespace, model: GPT2LMHeadModel,
+                    workload: Workload) -> SystemResult:
+    result = SystemResult("hf_static", notes=(
+        f"model.generate on static batches of {args.batch_size} in request order, left padded "
+        "with attention_mask, max_new_tokens = longest output in the batch, do_sample=False, "
+        "eos_token_id=None (never stops early; checked from the output shape). "
+        "total_tokens_processed counts padding and wasted tokens."))
+    run_hf_static(model, warmup_workload(workload), args.batch_size, args.device)
+    wall_s, outputs = timed(lambda: run_hf_static(model, workload, args.batch_size, args.device),
+                            args.device)
+    return finish(result, wall_s, outputs, workload,
+                  hf_static_tokens_processed(workload, args.batch_size))
+
+
+def bench_hf_cb(args: argparse.Namespace, model: GPT2LMHeadModel, workload: Workload,
+                model_config: GPT2Config) -> SystemResult:
+    cb_config = hf_cb_config(args, model_config)
+    result = SystemResult("hf_cb", notes=(
+        "transformers continuous batching (the ContinuousBatchingManager behind "
+        "model.generate_batch), attn_implementation='sdpa' on the paged cache; each request "
+        "added with manager.add_request(max_new_tokens=its own length, eos_token_id=-1), so "
+        "every request generates exactly its length. Manager creation, cache allocation and "
+        "warm-up are outside the timing. Config: page_size="
+        f"{cb_config.page_size}, num_blocks={cb_config.num_blocks}, max_batch_tokens="
+        f"{cb_config.max_batch_tokens}, max_requests_per_batch="
+        f"{cb_config.max_requests_per_batch}."))
+    generation_config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
+        pad_token_id=PAD_TOKEN_ID)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in workload.prompts),
+                          max_generated_length=max(workload.output_lens),
+                          num_requests=workload.num_requests)
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=cb_config,
+        block=True, timeout=30, workload_hints=hints,
+    ) as manager:
+        run_hf_cb_requests(manager, warmup_workload(workload), "warmup")
+        wall_s, outputs = timed(lambda: run_hf_cb_requests(manager, workload, "req"),
+                                args.device)
+    return finish(result, wall_s, outputs, workload, workload.prompt_tokens + workload.output_tokens)
+
+
+def guarded(name: str, fn: Callable[[], SystemResult]) -> SystemResult:
+    """Runs one system; an exception becomes an error entry instead of ending the benchmark."""
+    print(f"[offline_throughput] running {name} ...", flush=True)
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a result, not a crash
+        traceback.print_exc()
+        return SystemResult(name, error=f"{type(exc).__name__}: {exc}")
+    print(f"[offline_throughput] {name}: {result.wall_s:.2f} s", flush=True)
+    return result
+
+
+def greedy_match(octavo: SystemResult, reference: SystemResult, count: int) -> dict:
+    n = min(count, len(octavo.outputs), len(reference.outputs))
+    matches = [octavo.outputs[i] == reference.outputs[i] for i in range(n)]
+    first_diff = []
+    for i in range(n):
+        a, b = octavo.outputs[i], reference.outputs[i]
+        diff = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        first_diff.append(diff)
+    return {"compared": n, "matched": sum(matches), "reference": reference.name,
+            "first_mismatch_position": first_diff}
+
+
+def ratio(a: SystemResult, b: SystemResult | None) -> float | None:
+    if b is None or a.useful_output_tokens_per_s is None or not b.useful_output_tokens_per_s:
+        return None
+    return a.useful_output_tokens_per_s / b.useful_output_tokens_per_s
+
+
+def print_table(results: list[SystemResult]) -> None:
+    header = f"{'system':<10} {'wall s':>9} {'useful tok':>11} {'useful tok/s':>13} {'processed':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if r.error is not None:
+            print(f"{r.name:<10} ERROR: {r.error}")
+            continue
+        print(f"{r.name:<10} {r.wall_s:>9.2f} {r.useful_output_tokens:>11} "
+              f"{r.useful_output_tokens_per_s:>13.1f} {r.total_tokens_processed:>10}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                             args.vocab, args.seed)
+    print(f"[offline_throughput] {workload.num_requests} requests, {workload.prompt_tokens} "
+          f"prompt + {workload.output_tokens} output tokens; torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    results: dict[str, SystemResult] = {}
+    with tempfile.TemporaryDirectory(prefix="octavo_bench_") as tmp:
+        folder = Path(tmp)
+        model_config = write_checkpoint(folder, args)
+        results["octavo"] = guarded("octavo", lambda: bench_octavo(args, folder, workload))
+        hf_model = None
+        if not (args.skip_hf_static and args.skip_hf_cb):
+            hf_model = load_hf_model(folder, args.device, DTYPES[args.dtype])
+        if not args.skip_hf_static:
+            results["hf_static"] = guarded(
+                "hf_static", lambda: bench_hf_static(args, hf_model, workload))
+        if not args.skip_hf_cb:
+            results["hf_cb"] = guarded(
+                "hf_cb", lambda: bench_hf_cb(args, hf_model, workload, model_config))
+
+    octavo = results["octavo"]
+    report = {
+        "benchmark": "offline_throughput",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(args.device),
+        "model": {"n_layer": args.layers, "n_embd": args.hidden, "n_head": args.heads,
+                  "vocab_size": args.vocab, "n_positions": args.n_positions,
+                  "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})"},
+        "workload": {
+            "num_requests": workload.num_requests,
+            "prompt_len_range": list(args.prompt_len),
+            "output_len_range": list(args.output_len),
+            "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": workload.output_tokens,
+            "seed": args.seed,
+            "dtype": args.dtype,
+            "decoding": "greedy, EOS ignored",
+            "hf_static_batch_size": args.batch_size,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_cache_gb": args.kv_cache_gb,
+        },
+        "systems": {name: r.to_json() for name, r in results.items()},
+        "ratios": {
+            "octavo/hf_static": ratio(octavo, results.get("hf_static")),
+            "octavo/hf_cb": ratio(octavo, results.get("hf_cb")),
+        },
+        "notes": (
+            "Useful output tokens/s = sum of each request's own output length / wall time, for "
+            "every system. Timings exclude model loading, KV cache allocation and one small "
+            f"warm-up run ({WARMUP_REQUESTS} requests, {WARMUP_PROMPT_LEN}-token prompts, "
+            f"{WARMUP_OUTPUT_LEN} new tokens) per system."
+        ),
+    }
+    if "hf_static" in results and octavo.outputs and results["hf_static"].outputs:
+        report["greedy_match"] = greedy_match(octavo, results["hf_static"], args.greedy_check)
+    if "hf_cb" in results and octavo.outputs and results["hf_cb"].outputs:
+        report["greedy_match_hf_cb"] = greedy_match(octavo, results["hf_cb"], args.greedy_check)
+
+    print()
+    print_table(list(results.values()))
+    for key, value in report["ratios"].items():
+        if value is not None:
+            print(f"{key}: {value:.2f}x")
+    if "greedy_match" in report:
+        m = report["greedy_match"]
+        print(f"greedy match vs {m['reference']}: {m['matched']}/{m['compared']}")
+    args.result_file.parent.mkdir(parents=True, exist_ok=True)
+    args.result_file.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.result_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Sampler: exact masks on hand-made logits, penalties by hand, seeds, and the draw itself."""
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import (
+    Sampler,
+    SamplingRequest,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer
+
+PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
+EOS = 4
+
+
+def kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.isfinite(row).nonzero().squeeze(1).tolist() for row in logits]
+
+
+def request(prompt=(1,), output=(), seed=None, **params) -> SamplingRequest:
+    seq = Sequence(0, list(prompt), IncrementalDetokenizer(None))
+    seq.token_ids += list(output)
+    if seed is not None:
+        seq.generator = torch.Generator().manual_seed(seed)
+    return SamplingRequest(SamplingParams(seed=seed, **params), seq)
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 5.0, 4.0], [1.0, 3.0, 2.0, 5.0, 4.0]])
+    out = apply_top_k_top_p(logits, top_k=[2, 0], top_p=[1.0, 1.0])
+    assert kept(out) == [[3, 4], [0, 1, 2, 3, 4]]
+    assert torch.equal(out[0, [3, 4]], logits[0, [3, 4]])
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [(0.6, [0, 1]), (0.75, [0, 1, 2]), (0.3, [0]), (0.9, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3, 4])],
+)
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
+    logits = torch.tensor([PROBS]).log()[:, [2, 0, 4, 1, 3]]  # shuffled: order must not matter
+    order = [2, 0, 4, 1, 3]
+    out = apply_top_k_top_p(logits, top_k=[0], top_p=[top_p])
+    assert sorted(order.index(i) for i in expected) == kept(out)[0]
+
+
+def test_top_k_then_top_p_per_row():
+    logits = torch.tensor([PROBS, PROBS]).log()
+    out = apply_top_k_top_p(logits, top_k=[3, 1], top_p=[0.6, 1.0])
+    assert kept(out) == [[0, 1], [0]]
+
+
+def test_min_p_masks_below_a_fraction_of_the_top_probability():
+    logits = torch.tensor([PROBS, PROBS]).log()
+    out = apply_min_p(logits, [0.25, 0.5])  # thresholds 0.125 and 0.25
+    assert kept(out) == [[0, 1, 2], [0]]
+
+
+def test_penalties_match_a_hand_computation():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    req = request(prompt=[0], output=[1, 1, 3], repetition_penalty=2.0,
+                  frequency_penalty=0.5, presence_penalty=0.25)
+    # repetition (seen: 0, 1, 3): [1, -2, 0.5, 1.5]; frequency (counts 0, 2, 0, 1): -[0, 1, 0, .5];
+    # presence (tokens 1, 3): -[0, .25, 0, .25].
+    expected = torch.tensor([1.0, -3.25, 0.5, 0.75])
+    assert torch.allclose(apply_penalties(logits, req), expected)
+
+
+def test_greedy_takes_the_argmax_and_reports_model_logprobs():
+    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    logits = torch.tensor([PROBS, PROBS[::-1]]).log()
+    out = sampler(logits, [request(temperature=0.0, logprobs=2), request(temperature=0.0)])
+    assert out.token_ids == [0, 4]
+    assert out.logprobs == pytest.approx([math.log(0.5), math.log(0.5)], abs=1e-6)
+    assert list(out.top_logprobs[0]) == [0, 1]
+    assert out.top_logprobs[0][1] == pytest.approx(math.log(0.2), abs=1e-6)
+    assert out.top_logprobs[1] is None
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn():
+    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 9.0]] * 3)
+    reqs = [
+        request(output=[7], temperature=0.0, min_tokens=2, stop_token_ids=[3]),
+        request(output=[7, 8], temperature=0.0, min_tokens=2, stop_token_ids=[3]),
+        request(output=[7], temperature=0.0, min_tokens=2, ignore_eos=True),
+    ]
+    assert sampler(logits, reqs).token_ids == [2, EOS, EOS]
+
+
+def test_penalised_greedy_row_changes_its_choice():
+    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    logits = torch.tensor([[3.0, 2.9, 0.0, 0.0, 0.0]])
+    out = sampler(logits, [request(output=[0], temperature=0.0, presence_penalty=0.5)])
+    assert out.token_ids == [1]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], 0)[1].item())
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+
+    def draw(rows: list[int], seed_row: int) -> int:
+        sampler = Sampler(EOS, torch.Generator().manual_seed(len(rows)))
+        reqs = [request(seed=1234 if r == seed_row else None, temperature=1.0) for r in rows]
+        return sampler(logits[rows], reqs).token_ids[rows.index(seed_row)]
+
+    draws = [draw(list(range(4)), 2), draw([2], 2), draw([5, 1, 2, 0], 2), draw([2, 3], 2)]
+    assert len(set(draws)) == 1
+
+
+def test_random_draws_follow_the_filtered_distribution():
+    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    logits = torch.tensor([PROBS]).log().repeat(4000, 1)
+    tokens = sampler(logits, [request(temperature=1.0, top_k=3)] * 4000).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / 4000
+    expected = torch.tensor([0.5, 0.2, 0.15, 0.0, 0.0]) / 0.85
+    assert torch.allclose(freq, expected, atol=0.03)
+    assert freq[3] == 0 and freq[4] == 0
