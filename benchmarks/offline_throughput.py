@@ -73,7 +73,6 @@ HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens pe
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 8
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget of Octavo and HF CB")
     p.add_argument("--kv-cache-gb", type=float, default=2.0,
-                   help="KV cache size given to Octavo and to HF CB")
+                   help="Octavo's KV cache size (HF CB's cache is sized to the workload)")
     p.add_argument("--greedy-check", type=int, default=4,
                    help="how many leading requests to compare between Octavo and hf_static")
     p.add_argument("--skip-hf-static", action="store_true")
@@ -269,13 +268,17 @@ def hf_static_tokens_processed(workload: Workload, batch_size: int) -> int:
     return total
 
 
-def hf_cb_config(args: argparse.Namespace, model_config: GPT2Config) -> ContinuousBatchingConfig:
-    """Sizes HF CB like Octavo: same step token budget, batch cap and KV cache bytes."""
-    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
-    bytes_per_block = 2 * model_config.n_layer * HF_CB_PAGE_SIZE * model_config.n_embd * element
+def hf_cb_config(args: argparse.Namespace, workload: Workload) -> ContinuousBatchingConfig:
+    """Sizes HF CB like Octavo: same step token budget and batch cap, and a cache that holds
+    every request at once (so neither system ever preempts). HF pre-allocates an fp32 attention
+    mask of max_batch_tokens x (cache tokens + max_batch_tokens) and refuses caches whose
+    planned footprint exceeds its memory estimate, so it cannot take Octavo's lazily allocated
+    --kv-cache-gb: the cache is sized to the workload instead (plus one spare block)."""
+    blocks = sum(math.ceil((len(p) + n) / HF_CB_PAGE_SIZE)
+                 for p, n in zip(workload.prompts, workload.output_lens, strict=True))
     return ContinuousBatchingConfig(
         page_size=HF_CB_PAGE_SIZE,
-        num_blocks=max(1, int(args.kv_cache_gb * GIB // bytes_per_block)),
+        num_blocks=blocks + 1,
         max_batch_tokens=args.max_num_batched_tokens,
         max_requests_per_batch=args.max_num_seqs,
     )
@@ -354,9 +357,9 @@ def bench_hf_static(args: argparse.Namespace, model: GPT2LMHeadModel,
                   hf_static_tokens_processed(workload, args.batch_size))
 
 
-def bench_hf_cb(args: argparse.Namespace, model: GPT2LMHeadModel, workload: Workload,
-                model_config: GPT2Config) -> SystemResult:
-    cb_config = hf_cb_config(args, model_config)
+def bench_hf_cb(args: argparse.Namespace, model: GPT2LMHeadModel,
+                workload: Workload) -> SystemResult:
+    cb_config = hf_cb_config(args, workload)
     result = SystemResult("hf_cb", notes=(
         "transformers continuous batching (the ContinuousBatchingManager behind "
         "model.generate_batch), attn_implementation='sdpa' on the paged cache; each request "
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, SystemResult] = {}
     with tempfile.TemporaryDirectory(prefix="octavo_bench_") as tmp:
         folder = Path(tmp)
-        model_config = write_checkpoint(folder, args)
+        write_checkpoint(folder, args)
         results["octavo"] = guarded("octavo", lambda: bench_octavo(args, folder, workload))
         hf_model = None
         if not (args.skip_hf_static and args.skip_hf_cb):
@@ -445,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 "hf_static", lambda: bench_hf_static(args, hf_model, workload))
         if not args.skip_hf_cb:
             results["hf_cb"] = guarded(
-                "hf_cb", lambda: bench_hf_cb(args, hf_model, workload, model_config))
+                "hf_cb", lambda: bench_hf_cb(args, hf_model, workload))
 
     octavo = results["octavo"]
     report = {

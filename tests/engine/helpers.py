@@ -1,0 +1,40 @@
+"""Driving an LLMEngine step by step with the BlockManager's invariants checked every step."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+
+
+def run_to_completion(
+    engine: LLMEngine,
+    prompts: list[list[int] | str],
+    params: SamplingParams | list[SamplingParams],
+) -> list[RequestOutput]:
+    """Adds every prompt at once, steps until all finish; returns final outputs in order."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+        engine.add_request(request_id, prompt, p)
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    return [finished[i] for i in ids]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face greedy generate for one prompt alone (stops at EOS like we do)."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=hf_model.config.eos_token_id,
+        )
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,120 @@
+"""Our GPT-2 against transformers.GPT2LMHeadModel: logits through the paged cache, config refusal."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.models.gpt2 import GPT2Config
+from engine.models.weights import DUMMY_PRESETS, load_model
+from tests.checkpoints import TinySpec, make_checkpoint
+
+SPECS = [
+    TinySpec(),
+    TinySpec(n_embd=96, n_layer=3, n_head=6, n_inner=200, layer_norm_epsilon=1e-6, seed=1),
+    TinySpec(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64, seed=2),
+    TinySpec(n_embd=128, n_layer=4, n_head=8, initializer_range=0.02, seed=3),
+]
+
+
+def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -> torch.Tensor:
+    """Runs `tokens` through the model in prefill chunks over a shuffled paged cache; returns
+    the logits of every position."""
+    config = model.config
+    num_blocks = -(-len(tokens) // block_size) + 1
+    physical = list(range(1, num_blocks + 1))
+    random.Random(0).shuffle(physical)
+    cache = torch.full((config.n_layer, 2, num_blocks + 1, block_size, config.n_head,
+                        config.head_dim), float("nan"))
+    cache[:, :, 0] = 0
+    backend = TorchAttentionBackend()
+    logits, start = [], 0
+    for chunk in chunks:
+        end = start + chunk
+        slots = [physical[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            block_tables=torch.tensor([physical], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, chunk], dtype=torch.int32),
+            max_seqlen_q=chunk, max_seqlen_k=end, num_decodes=int(chunk == 1),
+            block_size=block_size, seq_lens_host=[end], query_lens_host=[chunk],
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), cache,
+                           backend.prepare(metadata))
+            logits.append(model.compute_logits(hidden))
+        start = end
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"L{s.n_layer}-C{s.n_embd}-H{s.n_head}")
+def test_logits_match_transformers(tmp_path, spec):
+    from transformers import GPT2LMHeadModel
+
+    folder = make_checkpoint(tmp_path, spec)
+    hf = GPT2LMHeadModel.from_pretrained(folder).eval()
+    ours = load_model(folder, "auto", TorchAttentionBackend(), torch.device("cpu"),
+                      torch.float32, seed=0).model
+    tokens = torch.randint(0, spec.vocab_size, (min(spec.n_positions, 61),),
+                           generator=torch.Generator().manual_seed(spec.seed)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    n = len(tokens)
+    for chunks in ([n], [5, 1, 1, 20, n - 27], [1] * 3 + [n - 3]):
+        got = paged_logits(ours, tokens, chunks, block_size=4)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (chunks, (got - expected).abs().max())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("add_cross_attention", True),
+        ("scale_attn_by_inverse_layer_idx", True),
+        ("reorder_and_upcast_attn", True),
+        ("scale_attn_weights", False),
+        ("activation_function", "relu"),
+        ("model_type", "llama"),
+    ],
+)
+def test_unsupported_config_flags_are_refused_by_name(tmp_path, field, value):
+    folder = make_checkpoint(tmp_path, TinySpec(n_layer=1))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field):
+        load_model(folder, "auto", TorchAttentionBackend(), torch.device("cpu"), torch.float32, 0)
+
+
+def test_pickle_only_checkpoints_are_refused(tmp_path):
+    make_checkpoint(tmp_path, TinySpec(n_layer=1))
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickle"):
+        load_model(str(tmp_path), "auto", TorchAttentionBackend(), torch.device("cpu"),
+                   torch.float32, 0)
+
+
+def test_dummy_presets_have_the_released_shapes():
+    shapes = {name: (c.n_layer, c.n_embd, c.n_head) for name, c in DUMMY_PRESETS.items()}
+    assert shapes == {
+        "gpt2": (12, 768, 12),
+        "gpt2-medium": (24, 1024, 16),
+        "gpt2-large": (36, 1280, 20),
+        "gpt2-xl": (48, 1600, 25),
+    }
+    assert all(c.vocab_size == 50257 and c.n_positions == 1024 for c in DUMMY_PRESETS.values())
+
+
+def test_dummy_weights_build_any_config_and_are_seeded(tmp_path):
+    spec = TinySpec(n_layer=1)
+    folder = make_checkpoint(tmp_path, spec)
+    load = lambda seed: load_model(folder, "dummy", TorchAttentionBackend(),  # noqa: E731
+                                   torch.device("cpu"), torch.float32, seed).model
+    a, b, c = load(0), load(0), load(1)
+    assert torch.equal(a.h[0].attn.c_attn.weight, b.h[0].attn.c_attn.weight)
+    assert not torch.equal(a.h[0].attn.c_attn.weight, c.h[0].attn.c_attn.weight)
+    assert a.lm_head.weight is a.wte.weight
+    assert a.config == GPT2Config.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
