@@ -84,3 +84,17 @@ def sample_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: 
     return [
         torch.randint(1, vocab_size, (lengths[i],), generator=generator).tolist() for i in order
     ]
+
+
+def with_eos(source: str, folder: Path, eos_token_id: int) -> str:
+    """A copy of checkpoint `source` whose EOS (config and generation config) is `eos_token_id`."""
+    import json
+    import shutil
+
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        config = json.loads(path.read_text())
+        config["eos_token_id"] = eos_token_id
+        path.write_text(json.dumps(config, indent=2))
+    return str(folder)

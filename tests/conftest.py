@@ -33,3 +33,26 @@ def hf_tiny(tiny_model_dir):
     from transformers import GPT2LMHeadModel
 
     return GPT2LMHeadModel.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tiny_model_dir, hf_tiny, tmp_path_factory) -> str:
+    """The tiny model with its EOS moved to the token its greedy continuations emit most, so
+    that many generations (and beams) end early on EOS."""
+    from tests.checkpoints import sample_prompts, with_eos
+
+    prompts = sample_prompts(8, 2, 60, hf_tiny.config.vocab_size, seed=11)
+    counts = torch.zeros(hf_tiny.config.vocab_size, dtype=torch.long)
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf_tiny.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+            counts += torch.bincount(out[0, len(prompt):], minlength=counts.numel())
+    return with_eos(tiny_model_dir, tmp_path_factory.mktemp("eos"), int(counts.argmax()))
+
+
+@pytest.fixture(scope="session")
+def hf_eos(eos_model_dir):
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(eos_model_dir).eval()

@@ -56,3 +56,12 @@ def test_preemption_by_recompute_changes_no_token(tiny_model_dir, prompts, expec
     outputs = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     assert engine.stats().num_preemptions > 0
     check(outputs, expected)
+
+
+def test_greedy_with_frequent_eos_equals_hf(eos_model_dir, hf_eos, prompts):
+    expected = [hf_greedy(hf_eos, p, MAX_TOKENS) for p in prompts]
+    engine = engine_for(eos_model_dir, num_blocks=40, block_size=8, max_num_batched_tokens=64)
+    outputs = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    check(outputs, expected)
+    reasons = [o.outputs[0].finish_reason for o in outputs]
+    assert reasons.count("stop") >= 3 and reasons.count("length") >= 1
