@@ -51,6 +51,14 @@ class LLM:
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wraps an engine built elsewhere (the CLI builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._request_ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
