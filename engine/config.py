@@ -46,7 +46,9 @@ class EngineConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
+            )
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -62,7 +64,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(_DTYPES)}, got {self.dtype!r}")
 

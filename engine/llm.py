@@ -79,8 +79,9 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params_list)} entries for "
-                                 f"{len(prompts)} prompts")
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
         final_only = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         added: list[str] = []
@@ -96,8 +97,12 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        ) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

@@ -1,4 +1,4 @@
-"""The synchronous engine core: requests in, one scheduled and executed step at a time, outputs out."""
+"""The synchronous engine core: requests in, one scheduled and executed step at a time."""
 
 from __future__ import annotations
 
@@ -48,35 +48,49 @@ class LLMEngine:
         dtype = config.torch_dtype
         backend = TorchAttentionBackend()
         if config.block_size < backend.min_block_size:
-            raise ValueError(f"block_size must be >= {backend.min_block_size} for the "
-                             f"{backend.name} attention backend, got {config.block_size}")
-        loaded = load_model(config.model, config.load_format, backend, self.device, dtype,
-                            config.seed)
+            raise ValueError(
+                f"block_size must be >= {backend.min_block_size} for the "
+                f"{backend.name} attention backend, got {config.block_size}"
+            )
+        loaded = load_model(
+            config.model, config.load_format, backend, self.device, dtype, config.seed
+        )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
         n_positions = self.model_config.n_positions
         self.max_model_len = config.max_model_len or n_positions
         if self.max_model_len > n_positions:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"n_positions ({n_positions})")
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"n_positions ({n_positions})"
+            )
 
         num_blocks = config.num_blocks or self._default_num_blocks(dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         needed = self.block_manager.num_blocks_for_tokens(self.max_model_len)
         if needed > self.block_manager.num_usable_blocks:
-            raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len "
-                             f"{self.max_model_len} ({needed} blocks of {config.block_size} "
-                             f"tokens plus the null block)")
+            raise ValueError(
+                f"num_blocks={num_blocks} cannot hold one sequence of max_model_len "
+                f"{self.max_model_len} ({needed} blocks of {config.block_size} "
+                f"tokens plus the null block)"
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.block_manager,
             StopChecker(self.max_model_len, self.eos_token_id),
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.runner = ModelRunner(loaded.model, backend, self.block_manager,
-                                  Sampler(self.eos_token_id, generator), num_blocks,
-                                  config.block_size, self.device, dtype)
+        self.runner = ModelRunner(
+            loaded.model,
+            backend,
+            self.block_manager,
+            Sampler(self.eos_token_id, generator),
+            num_blocks,
+            config.block_size,
+            self.device,
+            dtype,
+        )
         self._groups: dict[str, SequenceGroup] = {}
 
     def _default_num_blocks(self, dtype: torch.dtype) -> int:
@@ -102,11 +116,18 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
-        group = SequenceGroup(request_id, prompt_text, prompt_ids, params,
-                              arrival_time or time.monotonic(), self.device)
+        group = SequenceGroup(
+            request_id,
+            prompt_text,
+            prompt_ids,
+            params,
+            arrival_time or time.monotonic(),
+            self.device,
+        )
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        group.seqs.append(Sequence(self.scheduler.new_seq_id(), prompt_ids, detokenizer,
-                                   group.make_generator(0)))
+        group.seqs.append(
+            Sequence(self.scheduler.new_seq_id(), prompt_ids, detokenizer, group.make_generator(0))
+        )
         self._groups[request_id] = group
         self.scheduler.add(group)
 
@@ -129,8 +150,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:4]}")
         if len(prompt_ids) > self.max_model_len:
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens, longer than max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len "
+                f"({self.max_model_len})"
+            )
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}")
@@ -140,8 +163,10 @@ class LLMEngine:
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         blocks = params.n * self.block_manager.num_blocks_for_tokens(longest)
         if blocks > self.block_manager.num_usable_blocks:
-            raise ValueError(f"n={params.n} sequences of up to {longest} tokens need {blocks} KV "
-                             f"blocks; the cache has {self.block_manager.num_usable_blocks}")
+            raise ValueError(
+                f"n={params.n} sequences of up to {longest} tokens need {blocks} KV "
+                f"blocks; the cache has {self.block_manager.num_usable_blocks}"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its blocks now; its final output, or None if unknown."""

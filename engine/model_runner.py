@@ -87,7 +87,9 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + q)
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long),
-            block_tables=self._tensor([t + [0] * (max_blocks - len(t)) for t in tables], torch.int32),
+            block_tables=self._tensor(
+                [t + [0] * (max_blocks - len(t)) for t in tables], torch.int32
+            ),
             seq_lens=self._tensor(seq_lens, torch.int32),
             cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
             max_seqlen_q=max(query_lens),

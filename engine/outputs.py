@@ -44,8 +44,9 @@ class RequestOutput:
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
         want_logprobs = group.sampling_params.logprobs is not None
         outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
-        return cls(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                   group.is_finished)
+        return cls(
+            group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished
+        )
 
 
 def _completion(index: int, seq: Sequence, want_logprobs: bool) -> CompletionOutput:

@@ -146,9 +146,10 @@ def apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Ten
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     """Masks tokens whose probability is below min_p x the top token's probability."""
     probs = torch.softmax(logits, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(
-        min_p, dtype=probs.dtype, device=probs.device
-    )[:, None]
+    threshold = (
+        probs.max(dim=-1, keepdim=True).values
+        * torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+    )
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 

@@ -83,7 +83,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -60,8 +60,9 @@ class Scheduler:
     blocks allow; a prompt longer than the remaining budget is prefilled in chunks.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 stop_checker: StopChecker):
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, stop_checker: StopChecker
+    ):
         self.config = config
         self.block_manager = block_manager
         self.stop_checker = stop_checker
@@ -160,8 +161,12 @@ class Scheduler:
         bm = self.block_manager
         return sum(bm.num_new_blocks_needed(s, n) for s, n in plan) <= bm.num_free_blocks
 
-    def _commit(self, group: SequenceGroup, plan: list[tuple[Sequence, int]],
-                scheduled: list[ScheduledSequence]) -> int:
+    def _commit(
+        self,
+        group: SequenceGroup,
+        plan: list[tuple[Sequence, int]],
+        scheduled: list[ScheduledSequence],
+    ) -> int:
         """Allocates the planned slots, forks n > 1 samples off a completed prompt; returns
         the number of tokens scheduled."""
         for seq, num_new in plan:
@@ -205,8 +210,9 @@ class Scheduler:
             group = item.group
             for seq in item.sample_seqs:
                 seq.num_computed_tokens = item.seq.num_computed_tokens
-                seq.append_token(sampled.token_ids[row], sampled.logprobs[row],
-                                 sampled.top_logprobs[row])
+                seq.append_token(
+                    sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
+                )
                 row += 1
                 self._check_stop(group, seq)
                 updated[id(group)] = group

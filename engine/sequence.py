@@ -88,7 +88,7 @@ class Sequence:
             self.output_logprobs.append(top_logprobs)
 
     def fork(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
-        """A copy that shares nothing mutable with this one (block sharing is the BlockManager's)."""
+        """A copy sharing nothing mutable with this one (block sharing is the BlockManager's)."""
         child = Sequence(seq_id, self.prompt_token_ids, self.detokenizer.copy(), generator)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

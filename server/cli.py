@@ -12,15 +12,23 @@ from engine.config import EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that mirror EngineConfig, shared by every subcommand that builds an engine."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=True,
-                       help="Hugging Face-format folder or hub id (or a GPT-2 size with "
-                            "--load-format dummy)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    group.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face-format folder or hub id (or a GPT-2 size with --load-format dummy)",
+    )
+    group.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+    )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--num-blocks", type=int, default=None)
-    group.add_argument("--kv-cache-gb", type=float, default=None,
-                       help="KV cache size on CPU when --num-blocks is not given")
+    group.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="KV cache size on CPU when --num-blocks is not given",
+    )
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -76,7 +76,9 @@ def make_checkpoint(folder: Path, spec: TinySpec) -> str:
     return str(folder)
 
 
-def sample_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+def sample_prompts(
+    num: int, min_len: int, max_len: int, vocab_size: int, seed: int
+) -> list[list[int]]:
     """Random token-id prompts with lengths spread over [min_len, max_len] (ends included)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.linspace(min_len, max_len, num).round().long().tolist()

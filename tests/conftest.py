@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny GPT-2 checkpoints (with a real byte-level BPE tokenizer) and the HF oracle."""
+"""Shared fixtures: tiny GPT-2 checkpoints (real byte-level BPE tokenizer) and the HF oracle."""
 
 import os
 
@@ -45,9 +45,14 @@ def eos_model_dir(tiny_model_dir, hf_tiny, tmp_path_factory) -> str:
     counts = torch.zeros(hf_tiny.config.vocab_size, dtype=torch.long)
     with torch.no_grad():
         for prompt in prompts:
-            out = hf_tiny.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-            counts += torch.bincount(out[0, len(prompt):], minlength=counts.numel())
+            out = hf_tiny.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            counts += torch.bincount(out[0, len(prompt) :], minlength=counts.numel())
     return with_eos(tiny_model_dir, tmp_path_factory.mktemp("eos"), int(counts.argmax()))
 
 

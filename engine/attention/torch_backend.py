@@ -120,6 +120,8 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 keys = k_flat.index_select(0, p.key_slots).transpose(0, 1)  # [H, seq_len, D]
                 values = v_flat.index_select(0, p.key_slots).transpose(0, 1)
-                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, scale=scale)
+                o = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=p.mask, scale=scale
+                )
             out[p.start : p.end] = o.transpose(0, 1)
         return out

@@ -22,8 +22,13 @@ DUMMY_PRESETS = {
 }
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
 DUMMY_INIT_STD = 0.02
-_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors",
-              "*.safetensors.index.json"]
+_HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+]
 # Checkpoint entries that are buffers of older transformers versions, not weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # HF GPT-2 stores these as Conv1D: weight [in, out], the transpose of nn.Linear's.
@@ -126,19 +131,23 @@ def _load_safetensors(net: GPT2LMHeadModel, path: Path, config: GPT2Config) -> N
     if config.tie_word_embeddings:
         params.pop("lm_head.weight")
     unexpected = sorted(
-        k for k in checkpoint
+        k
+        for k in checkpoint
         if k not in params and not k.endswith(_IGNORED_SUFFIXES) and k != "lm_head.weight"
     )
     missing = sorted(k for k in params if k not in checkpoint)
     if unexpected or missing:
-        raise ValueError(f"{path}: checkpoint does not match GPT-2: missing {missing[:8]}, "
-                         f"unexpected {unexpected[:8]}")
+        raise ValueError(
+            f"{path}: checkpoint does not match GPT-2: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
+        )
     with torch.no_grad():
         for name, param in params.items():
             tensor = checkpoint[name]
             if name.endswith(_CONV1D):
                 tensor = tensor.t()
             if tensor.shape != param.shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             param.copy_(tensor)

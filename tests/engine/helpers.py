@@ -37,4 +37,4 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
             do_sample=False,
             pad_token_id=hf_model.config.eos_token_id,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

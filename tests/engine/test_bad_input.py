@@ -28,8 +28,11 @@ def test_invalid_sampling_params_name_the_parameter(kwargs, name):
 
 
 def test_bad_prompts_are_refused_and_running_requests_are_unharmed(tiny_model_dir, hf_tiny):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=64,
-                                    block_size=8, max_model_len=100))
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir, device="cpu", num_blocks=64, block_size=8, max_model_len=100
+        )
+    )
     good_prompt = [3, 4, 5, 6]
     params = SamplingParams(temperature=0, max_tokens=12)
     engine.add_request("good", good_prompt, params)
@@ -80,9 +83,13 @@ def test_llm_generate_validates_all_prompts_before_running_any(tiny_model_dir):
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"block_size": 12}, "block_size"), ({"max_model_len": 10_000}, "max_model_len"),
-     ({"num_blocks": 3}, "num_blocks"), ({"dtype": "int8"}, "dtype"),
-     ({"load_format": "pt"}, "load_format")],
+    [
+        ({"block_size": 12}, "block_size"),
+        ({"max_model_len": 10_000}, "max_model_len"),
+        ({"num_blocks": 3}, "num_blocks"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"load_format": "pt"}, "load_format"),
+    ],
 )
 def test_bad_engine_config_is_refused_by_name(tiny_model_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -90,8 +97,9 @@ def test_bad_engine_config_is_refused_by_name(tiny_model_dir, kwargs, name):
 
 
 def test_abort_frees_blocks_and_reports_abort(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=80,
-                                    block_size=4))
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=80, block_size=4)
+    )
     engine.add_request("a", [1] * 30, SamplingParams(max_tokens=50, n=2, ignore_eos=True))
     engine.add_request("b", [2] * 10, SamplingParams(max_tokens=50))
     for _ in range(3):

@@ -7,19 +7,49 @@ from engine import LLM, SamplingParams
 
 
 def test_octavo_generate_prints_the_greedy_completion(tiny_model_dir):
-    cmd = [sys.executable, "-m", "server", "generate", "--model", tiny_model_dir, "--device",
-           "cpu", "--num-blocks", "64", "--max-tokens", "12", "--ignore-eos", "The class"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "generate",
+        "--model",
+        tiny_model_dir,
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "The class",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     llm = LLM(model=tiny_model_dir, device="cpu", num_blocks=64)
-    expected = llm.generate("The class", SamplingParams(temperature=0, max_tokens=12,
-                                                        ignore_eos=True), use_tqdm=False)[0]
-    assert result.stdout.splitlines() == [f"The class{expected.outputs[0].text}",
-                                          "[length, 12 tokens]"]
+    expected = llm.generate(
+        "The class", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert result.stdout.splitlines() == [
+        f"The class{expected.outputs[0].text}",
+        "[length, 12 tokens]",
+    ]
 
 
 def test_octavo_generate_reports_bad_input_without_a_traceback(tiny_model_dir):
-    cmd = [sys.executable, "-m", "server", "generate", "--model", tiny_model_dir, "--device",
-           "cpu", "--num-blocks", "64", "--max-tokens", "0", "hi"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "generate",
+        "--model",
+        tiny_model_dir,
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--max-tokens",
+        "0",
+        "hi",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "max_tokens" in result.stderr and "Traceback" not in result.stderr

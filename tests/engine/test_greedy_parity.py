@@ -21,8 +21,13 @@ def expected(hf_tiny, prompts):
 
 
 def engine_for(model_dir, **overrides) -> LLMEngine:
-    config = {"model": model_dir, "device": "cpu", "dtype": "float32", "num_blocks": 512,
-              "block_size": 16} | overrides
+    config = {
+        "model": model_dir,
+        "device": "cpu",
+        "dtype": "float32",
+        "num_blocks": 512,
+        "block_size": 16,
+    } | overrides
     return LLMEngine(EngineConfig(**config))
 
 
@@ -38,22 +43,32 @@ def check(outputs, expected):
 
 def test_batched_greedy_equals_hf_alone(tiny_model_dir, prompts, expected):
     engine = engine_for(tiny_model_dir)
-    check(run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
-          expected)
+    check(
+        run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
+        expected,
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 32])
 def test_chunked_prefill_under_a_small_token_budget(tiny_model_dir, prompts, expected, block_size):
-    engine = engine_for(tiny_model_dir, max_num_batched_tokens=37, block_size=block_size,
-                        num_blocks=8192 // block_size)
-    outputs = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    engine = engine_for(
+        tiny_model_dir,
+        max_num_batched_tokens=37,
+        block_size=block_size,
+        num_blocks=8192 // block_size,
+    )
+    outputs = run_to_completion(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    )
     check(outputs, expected)
 
 
 def test_preemption_by_recompute_changes_no_token(tiny_model_dir, prompts, expected):
     # 40 blocks of 8 tokens: one longest request (224 tokens, 28 blocks) fits, all 18 do not.
     engine = engine_for(tiny_model_dir, num_blocks=40, block_size=8, max_num_batched_tokens=96)
-    outputs = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    outputs = run_to_completion(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    )
     assert engine.stats().num_preemptions > 0
     check(outputs, expected)
 
@@ -61,7 +76,9 @@ def test_preemption_by_recompute_changes_no_token(tiny_model_dir, prompts, expec
 def test_greedy_with_frequent_eos_equals_hf(eos_model_dir, hf_eos, prompts):
     expected = [hf_greedy(hf_eos, p, MAX_TOKENS) for p in prompts]
     engine = engine_for(eos_model_dir, num_blocks=40, block_size=8, max_num_batched_tokens=64)
-    outputs = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    outputs = run_to_completion(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    )
     check(outputs, expected)
     reasons = [o.outputs[0].finish_reason for o in outputs]
     assert reasons.count("stop") >= 3 and reasons.count("length") >= 1

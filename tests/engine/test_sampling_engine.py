@@ -7,8 +7,9 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import run_to_completion
 
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20,
-                        ignore_eos=True)
+SEEDED = SamplingParams(
+    temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True
+)
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
@@ -25,17 +26,25 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir, prompts):
     target = prompts[0]
     others = SamplingParams(temperature=1.0, max_tokens=12)
     alone = run_to_completion(make_engine(tiny_model_dir), [target], SEEDED)[0]
-    crowd = run_to_completion(make_engine(tiny_model_dir, seed=5),
-                              prompts[1:4] + [target] + prompts[4:],
-                              [others] * 3 + [SEEDED] + [others] * 4)[3]
-    chunked = run_to_completion(make_engine(tiny_model_dir, max_num_batched_tokens=7, seed=9),
-                                prompts[::-1], [others] * 7 + [SEEDED])[7]
+    crowd = run_to_completion(
+        make_engine(tiny_model_dir, seed=5),
+        prompts[1:4] + [target] + prompts[4:],
+        [others] * 3 + [SEEDED] + [others] * 4,
+    )[3]
+    chunked = run_to_completion(
+        make_engine(tiny_model_dir, max_num_batched_tokens=7, seed=9),
+        prompts[::-1],
+        [others] * 7 + [SEEDED],
+    )[7]
     tokens = alone.outputs[0].token_ids
     assert len(tokens) == 20
     assert crowd.outputs[0].token_ids == tokens
     assert chunked.outputs[0].token_ids == tokens
-    unseeded = run_to_completion(make_engine(tiny_model_dir), [target],
-                                 SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True))
+    unseeded = run_to_completion(
+        make_engine(tiny_model_dir),
+        [target],
+        SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True),
+    )
     assert unseeded[0].outputs[0].token_ids != tokens
 
 
@@ -66,15 +75,23 @@ def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir, prompts):
 
 def test_logprobs_equal_hf_log_softmax(tiny_model_dir, hf_tiny, prompts):
     prompt = prompts[3]
-    out = run_to_completion(make_engine(tiny_model_dir), [prompt],
-                            SamplingParams(temperature=0, max_tokens=8, logprobs=3,
-                                           ignore_eos=True))[0].outputs[0]
+    out = run_to_completion(
+        make_engine(tiny_model_dir),
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
+    )[0].outputs[0]
     with torch.no_grad():
-        hf = hf_tiny.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True,
-                              pad_token_id=0, eos_token_id=None)
+        hf = hf_tiny.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     steps = [torch.log_softmax(logits[0], -1) for logits in hf.logits]
-    assert out.token_ids == hf.sequences[0, len(prompt):].tolist()
+    assert out.token_ids == hf.sequences[0, len(prompt) :].tolist()
     expected = sum(step[t].item() for step, t in zip(steps, out.token_ids, strict=True))
     assert out.cumulative_logprob == pytest.approx(expected, abs=1e-4)
     for step, token, entry in zip(steps, out.token_ids, out.logprobs, strict=True):
@@ -100,8 +117,11 @@ def test_text_prompts_and_stop_strings_end_to_end(tiny_model_dir):
 
 def test_max_tokens_and_max_model_len_end_with_length(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_model_len=30)
-    outputs = run_to_completion(engine, [[5] * 25, [6] * 30, [7] * 3],
-                                SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    outputs = run_to_completion(
+        engine,
+        [[5] * 25, [6] * 30, [7] * 3],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+    )
     assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 1, 10]
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
@@ -109,10 +129,14 @@ def test_max_tokens_and_max_model_len_end_with_length(tiny_model_dir):
 def test_eos_stops_and_min_tokens_holds_it_back(eos_model_dir, hf_eos):
     eos = hf_eos.config.eos_token_id
     prompts = sample_prompts(12, 2, 40, hf_eos.config.vocab_size, seed=3)
-    outputs = run_to_completion(make_engine(eos_model_dir), prompts,
-                                SamplingParams(temperature=0, max_tokens=30))
-    stopped = [(p, o.outputs[0]) for p, o in zip(prompts, outputs, strict=True)
-               if o.outputs[0].finish_reason == "stop"]
+    outputs = run_to_completion(
+        make_engine(eos_model_dir), prompts, SamplingParams(temperature=0, max_tokens=30)
+    )
+    stopped = [
+        (p, o.outputs[0])
+        for p, o in zip(prompts, outputs, strict=True)
+        if o.outputs[0].finish_reason == "stop"
+    ]
     assert len(stopped) >= 3
     prompt, out = stopped[0]
     assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1] and out.stop_reason is None

@@ -1,4 +1,4 @@
-"""Our GPT-2 against transformers.GPT2LMHeadModel: logits through the paged cache, config refusal."""
+"""Our GPT-2 against transformers.GPT2LMHeadModel: logits through the paged cache; configs."""
 
 import json
 import random
@@ -27,8 +27,10 @@ def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -
     num_blocks = -(-len(tokens) // block_size) + 1
     physical = list(range(1, num_blocks + 1))
     random.Random(0).shuffle(physical)
-    cache = torch.full((config.n_layer, 2, num_blocks + 1, block_size, config.n_head,
-                        config.head_dim), float("nan"))
+    cache = torch.full(
+        (config.n_layer, 2, num_blocks + 1, block_size, config.n_head, config.head_dim),
+        float("nan"),
+    )
     cache[:, :, 0] = 0
     backend = TorchAttentionBackend()
     logits, start = [], 0
@@ -40,12 +42,20 @@ def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -
             block_tables=torch.tensor([physical], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32),
             cu_seqlens_q=torch.tensor([0, chunk], dtype=torch.int32),
-            max_seqlen_q=chunk, max_seqlen_k=end, num_decodes=int(chunk == 1),
-            block_size=block_size, seq_lens_host=[end], query_lens_host=[chunk],
+            max_seqlen_q=chunk,
+            max_seqlen_k=end,
+            num_decodes=int(chunk == 1),
+            block_size=block_size,
+            seq_lens_host=[end],
+            query_lens_host=[chunk],
         )
         with torch.inference_mode():
-            hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), cache,
-                           backend.prepare(metadata))
+            hidden = model(
+                torch.tensor(tokens[start:end]),
+                torch.arange(start, end),
+                cache,
+                backend.prepare(metadata),
+            )
             logits.append(model.compute_logits(hidden))
         start = end
     return torch.cat(logits)
@@ -57,16 +67,24 @@ def test_logits_match_transformers(tmp_path, spec):
 
     folder = make_checkpoint(tmp_path, spec)
     hf = GPT2LMHeadModel.from_pretrained(folder).eval()
-    ours = load_model(folder, "auto", TorchAttentionBackend(), torch.device("cpu"),
-                      torch.float32, seed=0).model
-    tokens = torch.randint(0, spec.vocab_size, (min(spec.n_positions, 61),),
-                           generator=torch.Generator().manual_seed(spec.seed)).tolist()
+    ours = load_model(
+        folder, "auto", TorchAttentionBackend(), torch.device("cpu"), torch.float32, seed=0
+    ).model
+    tokens = torch.randint(
+        0,
+        spec.vocab_size,
+        (min(spec.n_positions, 61),),
+        generator=torch.Generator().manual_seed(spec.seed),
+    ).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]
     n = len(tokens)
     for chunks in ([n], [5, 1, 1, 20, n - 27], [1] * 3 + [n - 3]):
         got = paged_logits(ours, tokens, chunks, block_size=4)
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (chunks, (got - expected).abs().max())
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (
+            chunks,
+            (got - expected).abs().max(),
+        )
 
 
 @pytest.mark.parametrize(
@@ -93,8 +111,9 @@ def test_pickle_only_checkpoints_are_refused(tmp_path):
     make_checkpoint(tmp_path, TinySpec(n_layer=1))
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pickle"):
-        load_model(str(tmp_path), "auto", TorchAttentionBackend(), torch.device("cpu"),
-                   torch.float32, 0)
+        load_model(
+            str(tmp_path), "auto", TorchAttentionBackend(), torch.device("cpu"), torch.float32, 0
+        )
 
 
 def test_dummy_presets_have_the_released_shapes():
@@ -111,8 +130,11 @@ def test_dummy_presets_have_the_released_shapes():
 def test_dummy_weights_build_any_config_and_are_seeded(tmp_path):
     spec = TinySpec(n_layer=1)
     folder = make_checkpoint(tmp_path, spec)
-    load = lambda seed: load_model(folder, "dummy", TorchAttentionBackend(),  # noqa: E731
-                                   torch.device("cpu"), torch.float32, seed).model
+
+    def load(seed: int):
+        backend = TorchAttentionBackend()
+        return load_model(folder, "dummy", backend, torch.device("cpu"), torch.float32, seed).model
+
     a, b, c = load(0), load(0), load(1)
     assert torch.equal(a.h[0].attn.c_attn.weight, b.h[0].attn.c_attn.weight)
     assert not torch.equal(a.h[0].attn.c_attn.weight, c.h[0].attn.c_attn.weight)

@@ -64,8 +64,13 @@ def test_min_p_masks_below_a_fraction_of_the_top_probability():
 
 def test_penalties_match_a_hand_computation():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
-    req = request(prompt=[0], output=[1, 1, 3], repetition_penalty=2.0,
-                  frequency_penalty=0.5, presence_penalty=0.25)
+    req = request(
+        prompt=[0],
+        output=[1, 1, 3],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
     # repetition (seen: 0, 1, 3): [1, -2, 0.5, 1.5]; frequency (counts 0, 2, 0, 1): -[0, 1, 0, .5];
     # presence (tokens 1, 3): -[0, .25, 0, .25].
     expected = torch.tensor([1.0, -3.25, 0.5, 0.75])

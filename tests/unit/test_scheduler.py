@@ -16,17 +16,24 @@ _tokens = itertools.count(10)
 
 def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, max_model_len=64):
     bm = BlockManager(num_blocks, block_size)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget), bm,
-                          StopChecker(max_model_len, EOS))
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs, budget), bm, StopChecker(max_model_len, EOS)
+    )
     return scheduler, bm
 
 
 def add(scheduler, request_id, prompt_len, **params):
     params.setdefault("max_tokens", 8)
-    group = SequenceGroup(request_id, None, list(range(1, prompt_len + 1)),
-                          SamplingParams(temperature=0.0, **params), arrival_time=0.0)
-    group.seqs.append(Sequence(scheduler.new_seq_id(), group.prompt_token_ids,
-                               IncrementalDetokenizer(None)))
+    group = SequenceGroup(
+        request_id,
+        None,
+        list(range(1, prompt_len + 1)),
+        SamplingParams(temperature=0.0, **params),
+        arrival_time=0.0,
+    )
+    group.seqs.append(
+        Sequence(scheduler.new_seq_id(), group.prompt_token_ids, IncrementalDetokenizer(None))
+    )
     scheduler.add(group)
     return group
 
