@@ -10,8 +10,9 @@ Workload (every value can be changed on the command line):
   * greedy decoding, EOS ignored: every request generates exactly its own output length;
   * float32 on CPU by default (--device cuda / --dtype float16 for a GPU).
 
-Systems, each timed with time.perf_counter on the same requests after one small warm-up run
-of that system (excluded from the timing; so is model loading and KV cache allocation):
+Systems, each timed with time.perf_counter on the same requests, --repeats times (median
+reported, every run kept: shared CPU machines are noisy), after one small warm-up run of that
+system (excluded from the timing, as are model loading and KV cache allocation):
   1. octavo     Octavo `LLM.generate`, all requests submitted at once, each with its own
                 max_tokens (continuous batching).
   2. hf_static  Hugging Face `model.generate` on static batches of --batch-size requests in
@@ -43,6 +44,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2Config, GPT2LMHeadModel
+from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from engine import LLM, SamplingParams
@@ -100,7 +103,8 @@ class SystemResult:
     """One system's timing on the workload; `outputs` holds its generated ids per request."""
 
     name: str
-    wall_s: float | None = None
+    wall_s: float | None = None  # median over the timed repeats
+    wall_s_runs: list[float] = field(default_factory=list)
     useful_output_tokens: int = 0
     useful_output_tokens_per_s: float | None = None
     total_tokens_processed: int = 0
@@ -136,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-step token budget of Octavo and HF CB")
     p.add_argument("--kv-cache-gb", type=float, default=2.0,
                    help="Octavo's KV cache size (HF CB's cache is sized to the workload)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per system; the median is reported (all are kept)")
     p.add_argument("--greedy-check", type=int, default=4,
                    help="how many leading requests to compare between Octavo and hf_static")
     p.add_argument("--skip-hf-static", action="store_true")
@@ -284,7 +290,8 @@ def hf_cb_config(args: argparse.Namespace, workload: Workload) -> ContinuousBatc
     )
 
 
-def run_hf_cb_requests(manager, workload: Workload, tag: str) -> list[list[int]]:
+def run_hf_cb_requests(manager: ContinuousBatchingManager, workload: Workload,
+                       tag: str) -> list[list[int]]:
     """Adds every request with its own max_new_tokens and waits for all of them."""
     ids = [f"{tag}_{i}" for i in range(workload.num_requests)]
     for request_id, prompt, n in zip(ids, workload.prompts, workload.output_lens, strict=True):
@@ -306,24 +313,30 @@ def run_hf_cb_requests(manager, workload: Workload, tag: str) -> list[list[int]]
 # -- timing and reporting -------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], list[list[int]]], device: str) -> tuple[float, list[list[int]]]:
-    synchronize(device)
-    start = time.perf_counter()
-    outputs = fn()
-    synchronize(device)
-    return time.perf_counter() - start, outputs
+def timed(fn: Callable[[int], list[list[int]]], device: str,
+          repeats: int) -> tuple[list[float], list[list[int]]]:
+    """Runs fn(repeat_index) `repeats` times; returns every wall time and the last outputs."""
+    walls, outputs = [], []
+    for i in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        outputs = fn(i)
+        synchronize(device)
+        walls.append(time.perf_counter() - start)
+    return walls, outputs
 
 
-def finish(result: SystemResult, wall_s: float, outputs: list[list[int]],
+def finish(result: SystemResult, walls: list[float], outputs: list[list[int]],
            workload: Workload, tokens_processed: int) -> SystemResult:
     got = [len(o) for o in outputs]
     if got != workload.output_lens:
         bad = sum(g != w for g, w in zip(got, workload.output_lens, strict=True))
         result.notes += f" WARNING: {bad} requests did not produce their exact output length."
-    result.wall_s = wall_s
+    result.wall_s = statistics.median(walls)
+    result.wall_s_runs = walls
     result.outputs = outputs
     result.useful_output_tokens = workload.output_tokens
-    result.useful_output_tokens_per_s = workload.output_tokens / wall_s
+    result.useful_output_tokens_per_s = workload.output_tokens / result.wall_s
     result.total_tokens_processed = tokens_processed
     return result
 
@@ -337,10 +350,10 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_gb=args.kv_cache_gb, seed=args.seed)
     run_octavo(llm, warmup_workload(workload))
-    wall_s, outputs = timed(lambda: run_octavo(llm, workload), args.device)
+    walls, outputs = timed(lambda _: run_octavo(llm, workload), args.device, args.repeats)
     preemptions = llm.engine.stats().num_preemptions
     result.notes += f" Preemptions (incl. warm-up): {preemptions}."
-    return finish(result, wall_s, outputs, workload, workload.prompt_tokens + workload.output_tokens)
+    return finish(result, walls, outputs, workload, workload.prompt_tokens + workload.output_tokens)
 
 
 def bench_hf_static(args: argparse.Namespace, model: GPT2LMHeadModel,
@@ -351,9 +364,9 @@ def bench_hf_static(args: argparse.Namespace, model: GPT2LMHeadModel,
         "eos_token_id=None (never stops early; checked from the output shape). "
         "total_tokens_processed counts padding and wasted tokens."))
     run_hf_static(model, warmup_workload(workload), args.batch_size, args.device)
-    wall_s, outputs = timed(lambda: run_hf_static(model, workload, args.batch_size, args.device),
-                            args.device)
-    return finish(result, wall_s, outputs, workload,
+    walls, outputs = timed(lambda _: run_hf_static(model, workload, args.batch_size, args.device),
+                           args.device, args.repeats)
+    return finish(result, walls, outputs, workload,
                   hf_static_tokens_processed(workload, args.batch_size))
 
 
@@ -380,9 +393,9 @@ def bench_hf_cb(args: argparse.Namespace, model: GPT2LMHeadModel,
         block=True, timeout=30, workload_hints=hints,
     ) as manager:
         run_hf_cb_requests(manager, warmup_workload(workload), "warmup")
-        wall_s, outputs = timed(lambda: run_hf_cb_requests(manager, workload, "req"),
-                                args.device)
-    return finish(result, wall_s, outputs, workload, workload.prompt_tokens + workload.output_tokens)
+        walls, outputs = timed(lambda i: run_hf_cb_requests(manager, workload, f"run{i}"),
+                               args.device, args.repeats)
+    return finish(result, walls, outputs, workload, workload.prompt_tokens + workload.output_tokens)
 
 
 def guarded(name: str, fn: Callable[[], SystemResult]) -> SystemResult:
@@ -393,7 +406,8 @@ def guarded(name: str, fn: Callable[[], SystemResult]) -> SystemResult:
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a result, not a crash
         traceback.print_exc()
         return SystemResult(name, error=f"{type(exc).__name__}: {exc}")
-    print(f"[offline_throughput] {name}: {result.wall_s:.2f} s", flush=True)
+    runs = ", ".join(f"{w:.2f}" for w in result.wall_s_runs)
+    print(f"[offline_throughput] {name}: median {result.wall_s:.2f} s (runs: {runs})", flush=True)
     return result
 
 
@@ -403,7 +417,7 @@ def greedy_match(octavo: SystemResult, reference: SystemResult, count: int) -> d
     first_diff = []
     for i in range(n):
         a, b = octavo.outputs[i], reference.outputs[i]
-        diff = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        diff = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         first_diff.append(diff)
     return {"compared": n, "matched": sum(matches), "reference": reference.name,
             "first_mismatch_position": first_diff}
@@ -416,7 +430,8 @@ def ratio(a: SystemResult, b: SystemResult | None) -> float | None:
 
 
 def print_table(results: list[SystemResult]) -> None:
-    header = f"{'system':<10} {'wall s':>9} {'useful tok':>11} {'useful tok/s':>13} {'processed':>10}"
+    header = (f"{'system':<10} {'wall s':>9} {'useful tok':>11} {'useful tok/s':>13} "
+              f"{'processed':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -453,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     octavo = results["octavo"]
     report = {
         "benchmark": "offline_throughput",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(args.device),
         "model": {"n_layer": args.layers, "n_embd": args.hidden, "n_head": args.heads,
                   "vocab_size": args.vocab, "n_positions": args.n_positions,
@@ -471,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_cache_gb": args.kv_cache_gb,
+            "timed_repeats": args.repeats,
         },
         "systems": {name: r.to_json() for name, r in results.items()},
         "ratios": {
@@ -479,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "notes": (
             "Useful output tokens/s = sum of each request's own output length / wall time, for "
-            "every system. Timings exclude model loading, KV cache allocation and one small "
+            "every system, from the median of the timed repeats (all kept in wall_s_runs). "
+            "Timings exclude model loading, KV cache allocation and one small "
             f"warm-up run ({WARMUP_REQUESTS} requests, {WARMUP_PROMPT_LEN}-token prompts, "
             f"{WARMUP_OUTPUT_LEN} new tokens) per system."
         ),
