@@ -10,6 +10,7 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from engine.errors import ParameterError
 from engine.model_runner import ModelRunner
 from engine.models.weights import load_model
 from engine.outputs import RequestOutput
@@ -23,6 +24,14 @@ from engine.tokenizer import IncrementalDetokenizer
 _GIB = 1 << 30
 
 
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A validated prompt: its text (None when given as token ids) and its token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
 @dataclass
 class EngineStats:
     """A snapshot for metrics and tests."""
@@ -33,6 +42,8 @@ class EngineStats:
     num_usable_blocks: int
     kv_cache_usage: float
     num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
 
 
 class LLMEngine:
@@ -104,68 +115,85 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
+    def process_inputs(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+        """Tokenizes and validates a request without touching engine state (any thread may call
+        it); raises ParameterError (a ValueError) naming the offending parameter."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        return ProcessedPrompt(text, token_ids)
+
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedPrompt,
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
         """Validates and queues a request; raises ValueError naming the offending parameter."""
         if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
+            raise ParameterError("request_id", f"request_id {request_id!r} is already in use")
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.process_inputs(prompt, params)
         group = SequenceGroup(
             request_id,
-            prompt_text,
-            prompt_ids,
+            prompt.text,
+            prompt.token_ids,
             params,
             arrival_time or time.monotonic(),
             self.device,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        group.seqs.append(
-            Sequence(self.scheduler.new_seq_id(), prompt_ids, detokenizer, group.make_generator(0))
+        seq = Sequence(
+            self.scheduler.new_seq_id(), prompt.token_ids, detokenizer, group.make_generator(0)
         )
+        group.seqs.append(seq)
         self._groups[request_id] = group
         self.scheduler.add(group)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer.json; pass token ids")
+                raise ParameterError(
+                    "prompt", "prompt: this model has no tokenizer.json; pass token ids"
+                )
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            raise ValueError("prompt must be a string or a list of integer token ids")
+            raise ParameterError("prompt", "prompt must be a string or a list of integer token ids")
         return None, list(prompt)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
-            raise ValueError("prompt must not be empty")
+            raise ParameterError("prompt", "prompt must not be empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:4]}")
+            raise ParameterError(
+                "prompt", f"prompt token ids must be in [0, {vocab}), got {bad[:4]}"
+            )
         if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len "
-                f"({self.max_model_len})"
+            raise ParameterError(
+                "prompt",
+                f"prompt is {len(prompt_ids)} tokens, longer than "
+                f"max_model_len ({self.max_model_len})",
             )
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}")
+            raise ParameterError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}"
+            )
         if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be <= the vocabulary size {vocab}")
+            raise ParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
         # Each group must fit alone even after a preemption undoes its prompt sharing.
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         blocks = params.n * self.block_manager.num_blocks_for_tokens(longest)
         if blocks > self.block_manager.num_usable_blocks:
-            raise ValueError(
-                f"n={params.n} sequences of up to {longest} tokens need {blocks} KV "
-                f"blocks; the cache has {self.block_manager.num_usable_blocks}"
+            raise ParameterError(
+                "n",
+                f"n={params.n} sequences of up to {longest} tokens need "
+                f"{blocks} KV blocks; the cache has "
+                f"{self.block_manager.num_usable_blocks}",
             )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -204,4 +232,6 @@ class LLMEngine:
             num_usable_blocks=bm.num_usable_blocks,
             kv_cache_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
+            num_generation_tokens=self.scheduler.num_generation_tokens,
         )

@@ -30,6 +30,16 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """time.monotonic() stamps of a request's life; None for what has not happened yet."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
 @dataclass
 class RequestOutput:
     """A request's outputs, best or first sample first; `finished` once all are done."""
@@ -39,13 +49,25 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None
 
     @classmethod
     def from_group(cls, group: SequenceGroup) -> RequestOutput:
         want_logprobs = group.sampling_params.logprobs is not None
         outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
+        metrics = RequestMetrics(
+            group.arrival_time,
+            group.first_scheduled_time,
+            group.first_token_time,
+            group.finished_time,
+        )
         return cls(
-            group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            outputs,
+            group.is_finished,
+            metrics,
         )
 
 

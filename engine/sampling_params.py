@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.errors import ParameterError
+
 
 class RequestOutputKind(Enum):
     """Which outputs a request produces while it runs."""
@@ -55,36 +57,53 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise ParameterError("n", f"n must be an integer >= 1, got {self.n!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise ParameterError(
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            )
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise ParameterError(
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            )
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise ParameterError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+            raise ParameterError("top_k", f"top_k must be an integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise ParameterError(
+                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise ParameterError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+            raise ParameterError(
+                "logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+            raise ParameterError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
+            raise ParameterError(
+                "stop_token_ids",
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
             )
 
     @property

@@ -69,6 +69,8 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompts admitted (each counted once)
+        self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
 
     def new_seq_id(self) -> int:
@@ -85,6 +87,7 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
+                    group.finished_time = time.monotonic()
                     for seq in group.unfinished_seqs:
                         seq.status = SequenceStatus.FINISHED_ABORTED
                         self.block_manager.free(seq)
@@ -132,6 +135,7 @@ class Scheduler:
             self.running.append(group)
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
+                self.num_prompt_tokens += len(group.prompt_token_ids)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.sampling_params.n)
@@ -215,9 +219,12 @@ class Scheduler:
                 )
                 row += 1
                 self._check_stop(group, seq)
+                if seq.is_finished:
+                    group.finished_time = now
                 updated[id(group)] = group
             if item.sample_seqs and group.first_token_time is None:
                 group.first_token_time = now
+        self.num_generation_tokens += row
         if any(g.is_finished for g in updated.values()):
             self.running = [g for g in self.running if not g.is_finished]
         return list(updated.values())

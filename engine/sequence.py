@@ -114,6 +114,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    finished_time: float | None = None
     num_preemptions: int = 0
 
     @property

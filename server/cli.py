@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+import uvicorn
+
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 
+# The tiny GPT-2 trained on Python's reference text (server/train_default_model.py).
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DEFAULT_MODEL_NAME = "octavo-tiny"
+API_KEY_ENV = "OCTAVO_API_KEY"
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+
+def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
     """Flags that mirror EngineConfig, shared by every subcommand that builds an engine."""
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
-        required=True,
+        required=default_model is None,
+        default=default_model,
         help="Hugging Face-format folder or hub id (or a GPT-2 size with --load-format dummy)",
     )
     group.add_argument(
@@ -77,9 +91,84 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from engine.llm_engine import LLMEngine
+    from server.app import create_app
+    from server.serving_completion import ServerConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)), args.max_num_waiting)
+    name = args.served_model_name or (
+        DEFAULT_MODEL_NAME if Path(args.model) == DEFAULT_MODEL else args.model
+    )
+    config = ServerConfig(
+        served_model_name=name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+    )
+    app = create_app(engine, config)
+    server = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+        engine,
+        args.shutdown_grace_seconds,
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
+    # so that second delivery must end the process with status 0, not kill it.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0
+
+
+class GracefulServer(uvicorn.Server):
+    """A uvicorn server whose SIGTERM/SIGINT first stops admission and drains the engine, so
+    in-flight streams end with finish_reason "abort" instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float):
+        super().__init__(config)
+        self.engine = engine
+        self.grace_seconds = grace_seconds
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(
+                lambda: loop.create_task(self.engine.shutdown(self.grace_seconds))
+            )
+        super().handle_exit(sig, frame)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Octavo GPT-2 inference")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(serve, default_model=str(DEFAULT_MODEL))
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--api-key", default=None, help=f"require this bearer key on /v1 (default: ${API_KEY_ENV})"
+    )
+    serve.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=1024,
+        help="requests allowed to wait for admission; more get 503",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, time in-flight requests get before being aborted",
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print them")
     add_engine_args(generate)

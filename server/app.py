@@ -1,0 +1,122 @@
+"""The FastAPI application factory: routes, auth, body limit and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_engine import AsyncEngine
+from server.errors import APIError
+from server.metrics import ServerMetrics
+from server.protocol import CompletionRequest, ModelCard, ModelList
+from server.serving_completion import CompletionServing, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """Builds the app around a (not yet started) AsyncEngine; the app's lifespan starts the
+    engine thread and shuts it down gracefully."""
+    metrics = ServerMetrics(engine)
+    serving = CompletionServing(engine, config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(config.shutdown_grace_seconds)
+
+    app = FastAPI(title="Octavo", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.state.engine = engine
+
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            raise APIError(
+                HTTPStatus.UNAUTHORIZED, "Invalid or missing API key", code="invalid_api_key"
+            )
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            message = f"Malformed JSON body: {first.get('msg')}"
+            return APIError(HTTPStatus.BAD_REQUEST, message).response()
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+        return APIError(HTTPStatus.BAD_REQUEST, message, param=loc[0] if loc else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(HTTPStatus(exc.status_code), str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = HTTPStatus.OK if engine.accepting else HTTPStatus.SERVICE_UNAVAILABLE
+        return Response(status_code=status)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> ModelList:
+        card = ModelCard(id=config.served_model_name, max_model_len=serving.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(request: CompletionRequest):
+        return await serving.create(request)
+
+    return app
+
+
+class BodySizeLimit:
+    """Answers 413 for request bodies over `max_bytes`, by Content-Length or while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body exceeds {self.max_bytes} bytes"
+        )
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise too_large
+            return message
+
+        await self.app(scope, limited_receive, send)

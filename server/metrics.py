@@ -1,0 +1,86 @@
+"""Prometheus metrics with vLLM-style names, on a registry owned by the app (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestMetrics
+
+PREFIX = "octavo:"
+# Seconds; TTFT and queue time span idle-to-loaded, ITL is per token.
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters read from the engine's latest published stats at scrape time."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        yield _gauge("num_requests_running", "Sequences being computed.", stats.num_running_seqs)
+        yield _gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled.", self.engine.num_waiting
+        )
+        yield _gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage
+        )
+        yield _counter("num_preemptions", "Preemptions by recompute.", stats.num_preemptions)
+        yield _counter("prompt_tokens", "Prompt tokens admitted.", stats.num_prompt_tokens)
+        yield _counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """Request-latency histograms plus the engine collector, exposed by `render()`."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(engine))
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_finished(self, metrics: RequestMetrics) -> None:
+        if metrics.first_token_time is not None:
+            self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,341 @@
+"""POST /v1/completions: request -> engine requests -> a JSON response or an SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from engine.errors import ParameterError
+from engine.llm_engine import ProcessedPrompt
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from server.errors import APIError
+from server.metrics import ServerMetrics
+from server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Logprobs,
+    Usage,
+    completion_id,
+)
+from server.streaming import SSE_DONE, ChoiceStream, Delta, sse_event
+
+# Seconds a client told "queue full" should wait before retrying.
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    shutdown_grace_seconds: float = 10.0
+
+
+class CompletionServing:
+    """Converts an OpenAI completion request at the edge and runs it on the AsyncEngine.
+
+    A request with k prompts and n samples becomes k engine requests; choice `i * n + j` is
+    sample j of prompt i. Everything a client can get wrong is answered with an APIError
+    (400/404/503) before any engine request is queued, or, if the queue fills midway, after
+    the ones already queued are aborted.
+    """
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer: Tokenizer | None = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+        self._check_supported(request)
+        prompts = [self._process(request, p) for p in request.prompts()]
+        request_id = completion_id()
+        streams = self._submit(request_id, prompts)
+        if request.stream:
+            body = self._stream(request_id, request, prompts, streams)
+            return StreamingResponse(body, media_type="text/event-stream")
+        return JSONResponse(
+            (await self._complete(request_id, request, prompts, streams)).model_dump()
+        )
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _check_supported(self, request: CompletionRequest) -> None:
+        if request.model != self.config.served_model_name:
+            raise APIError(
+                HTTPStatus.NOT_FOUND,
+                f"The model `{request.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        if request.use_beam_search:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "use_beam_search is not supported yet",
+                param="use_beam_search",
+            )
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "best_of is only supported with use_beam_search",
+                param="best_of",
+            )
+        if request.suffix:
+            raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
+        if request.logit_bias:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST, "logit_bias is not supported", param="logit_bias"
+            )
+        if request.echo and request.logprobs is not None:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "echo with logprobs (prompt logprobs) is not supported",
+                param="logprobs",
+            )
+        if request.stream_options is not None and not request.stream:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "stream_options is only allowed with stream",
+                param="stream_options",
+            )
+
+    def _process(
+        self, request: CompletionRequest, prompt: str | list[int]
+    ) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Tokenizes and validates one prompt; max_tokens defaults to the room left in the
+        context, and a prompt plus max_tokens that overflow the context is a 400."""
+        try:
+            if request.max_tokens is None:  # validate with a placeholder, then fill the context
+                params = self._sampling_params(request, max(request.min_tokens, 1))
+            else:
+                params = self._sampling_params(request, request.max_tokens)
+            processed = self.engine.process_inputs(prompt, params)
+            room = self.max_model_len - len(processed.token_ids)
+            if request.max_tokens is None:
+                params = self._sampling_params(request, max(room, 1))
+                processed = self.engine.process_inputs(processed.token_ids, params)
+            elif request.max_tokens > room:
+                raise ParameterError(
+                    "max_tokens",
+                    f"This model's maximum context length is {self.max_model_len} tokens; the "
+                    f"prompt has {len(processed.token_ids)} and max_tokens is "
+                    f"{request.max_tokens}",
+                )
+            return ProcessedPrompt(
+                prompt if isinstance(prompt, str) else None, processed.token_ids
+            ), params
+        except ParameterError as exc:
+            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
+
+    @staticmethod
+    def _sampling_params(request: CompletionRequest, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            n=request.n,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=max(request.top_k, 0),
+            min_p=request.min_p,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=request.logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+
+    def _submit(
+        self, request_id: str, prompts: list[tuple[ProcessedPrompt, SamplingParams]]
+    ) -> list[AsyncIterator[RequestOutput]]:
+        arrival = time.monotonic()
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, (prompt, params) in enumerate(prompts):
+                streams.append(
+                    self.engine.add_request(f"{request_id}-{i}", prompt, params, arrival)
+                )
+        except (QueueFullError, EngineStoppedError) as exc:
+            for i in range(len(streams)):
+                self.engine.abort(f"{request_id}-{i}")
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                str(exc),
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from exc
+        return streams
+
+    # -- responses ---------------------------------------------------------------------------
+
+    async def _complete(self, request_id, request, prompts, streams) -> CompletionResponse:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in self._merge(streams):
+            finals[index] = output
+        choices = []
+        for index, final in enumerate(finals):
+            assert final is not None and final.finished
+            self.metrics.observe_finished(final.metrics)
+            for completion in final.outputs:
+                text = completion.text
+                if request.echo:
+                    text = self._prompt_text(final) + text
+                delta = Delta(completion.text, completion.token_ids, completion.logprobs, 0)
+                choices.append(
+                    CompletionChoice(
+                        index=index * request.n + completion.index,
+                        text=text,
+                        logprobs=self._logprobs(delta) if request.logprobs is not None else None,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=request_id,
+            model=self.config.served_model_name,
+            choices=choices,
+            usage=_usage(finals),
+        )
+
+    async def _stream(self, request_id, request, prompts, streams) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in prompts[0][1].stop_strings), default=1) - 1
+        trackers: dict[int, ChoiceStream] = {}
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        created = int(time.time())
+        last_time: dict[int, float] = {}
+        try:
+            async for index, output in self._merge(streams):
+                now = time.monotonic()
+                if index in last_time:
+                    self.metrics.itl.observe(now - last_time[index])
+                last_time[index] = now
+                for completion in output.outputs:
+                    choice_index = index * request.n + completion.index
+                    tracker = trackers.setdefault(choice_index, ChoiceStream(holdback))
+                    first = tracker.sent_chars == 0 and tracker.sent_tokens == 0
+                    delta = tracker.next(completion)
+                    if delta is None:
+                        continue
+                    text = delta.text
+                    if request.echo and first:
+                        text = self._prompt_text(output) + text
+                    chunk = CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.config.served_model_name,
+                        choices=[self._choice(choice_index, text, delta, completion, request)],
+                    )
+                    yield sse_event(chunk)
+                if output.finished:
+                    finals[index] = output
+                    self.metrics.observe_finished(output.metrics)
+            if request.stream_options is not None and request.stream_options.include_usage:
+                yield sse_event(
+                    CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.config.served_model_name,
+                        choices=[],
+                        usage=_usage(finals),
+                    )
+                )
+        except EngineStoppedError as exc:
+            yield sse_event(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)).body())
+        yield SSE_DONE
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        delta: Delta,
+        completion: CompletionOutput,
+        request: CompletionRequest,
+    ) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=self._logprobs(delta) if request.logprobs is not None else None,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    @staticmethod
+    async def _merge(
+        streams: list[AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleaves several output streams as outputs arrive; closing this generator
+        (a client that went away) cancels them all, which aborts their requests."""
+        if len(streams) == 1:
+            async for output in streams[0]:
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, delta: Delta) -> Logprobs:
+        result = Logprobs()
+        offset = delta.text_offset
+        for i, token in enumerate(delta.token_ids):
+            entry = delta.logprobs[i] if delta.logprobs is not None else {}
+            text = self._token_text(token)
+            result.tokens.append(text)
+            result.token_logprobs.append(entry.get(token))
+            result.top_logprobs.append({self._token_text(t): v for t, v in entry.items()})
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+
+def _usage(finals: list[RequestOutput | None]) -> Usage:
+    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
+    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

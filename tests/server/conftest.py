@@ -1,0 +1,104 @@
+"""Live `octavo serve` processes on free loopback ports, started by the tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+MODEL_NAME = "tiny"
+STARTUP_TIMEOUT_S = 60
+
+
+@dataclass
+class LiveServer:
+    process: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    def metrics(self) -> dict[str, float]:
+        """The octavo:* samples of /metrics (histogram buckets excluded)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("octavo:") and "_bucket" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(model_dir: str, tmp_path, *extra: str) -> Iterator[LiveServer]:
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "1024",
+        "--block-size",
+        "8",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = LiveServer(process, f"http://127.0.0.1:{port}", str(log_path))
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited: {open(log_path).read()}")
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {open(log_path).read()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, tmp_path_factory) -> Iterator[LiveServer]:
+    with live_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("srv"),
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "512",
+    ) as s:
+        yield s
