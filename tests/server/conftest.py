@@ -72,14 +72,14 @@ def live_server(model_dir: str, tmp_path, *extra: str) -> Iterator[LiveServer]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"server exited: {open(log_path).read()}")
+                raise RuntimeError(f"server exited: {log_path.read_text()}")
             try:
                 if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {open(log_path).read()}")
+                raise RuntimeError(f"server did not start: {log_path.read_text()}")
             time.sleep(0.2)
         yield server
     finally:

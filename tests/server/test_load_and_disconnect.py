@@ -1,0 +1,122 @@
+"""Client disconnects free their blocks; 100 concurrent streams; a burst beyond the queue."""
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, live_server
+
+LONG = {
+    "model": MODEL_NAME,
+    "prompt": "The class",
+    "max_tokens": 200,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+def wait_for_idle(server, timeout: float) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        idle = (
+            metrics["octavo:num_requests_running"] == 0
+            and metrics["octavo:kv_cache_usage_perc"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_everything(server):
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=LONG, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        received = [line for _, line in zip(range(6), lines, strict=False)]
+        assert any(line.startswith("data: ") for line in received)
+        busy = server.metrics()
+        assert busy["octavo:num_requests_running"] == 1
+        assert busy["octavo:kv_cache_usage_perc"] > 0
+    closed = time.monotonic()
+    metrics = wait_for_idle(server, timeout=2.0)
+    assert metrics["octavo:num_requests_running"] == 0, metrics
+    assert metrics["octavo:kv_cache_usage_perc"] == 0, metrics
+    assert time.monotonic() - closed < 2.0
+
+
+async def stream_one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
+    """Streams one completion; returns its status, text and finish reasons (or error)."""
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {
+                "status": response.status_code,
+                "body": json.loads(await response.aread()),
+                "headers": response.headers,
+            }
+        text, finish, done = "", {}, False
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                done = True
+                continue
+            choice = json.loads(payload)["choices"][0]
+            text += choice["text"]
+            if choice["finish_reason"]:
+                finish[choice["index"]] = choice["finish_reason"]
+        return {"status": 200, "text": text, "finish": finish, "done": done}
+
+
+async def run_many(base_url: str, bodies: list[dict]) -> list[dict]:
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(stream_one(client, base_url, b) for b in bodies))
+
+
+def test_one_hundred_concurrent_streams_all_complete(server):
+    bodies = [
+        {
+            "model": MODEL_NAME,
+            "prompt": f"Item {i} of the list",
+            "max_tokens": 8 + i % 9,
+            "temperature": 0.8,
+            "seed": i,
+            "stream": True,
+            **({"ignore_eos": True} if i % 2 else {"stop": ["\n\n"]}),
+        }
+        for i in range(100)
+    ]
+    results = asyncio.run(run_many(server.base_url, bodies))
+    assert all(r["status"] == 200 and r["done"] for r in results)
+    for body, result in zip(bodies, results, strict=True):
+        assert set(result["finish"]) == {0}
+        if body.get("ignore_eos"):
+            assert result["finish"][0] == "length"
+        else:
+            assert result["finish"][0] in {"stop", "length"}
+    assert wait_for_idle(server, timeout=2.0)["octavo:kv_cache_usage_perc"] == 0
+
+
+def test_a_burst_beyond_the_waiting_queue_gets_503_and_the_rest_completes(tiny_model_dir, tmp_path):
+    with live_server(
+        tiny_model_dir, tmp_path, "--max-num-seqs", "2", "--max-num-waiting", "4"
+    ) as small:
+        body = LONG | {"max_tokens": 40}
+        results = asyncio.run(run_many(small.base_url, [body] * 20))
+        statuses = [r["status"] for r in results]
+        accepted = [r for r in results if r["status"] == 200]
+        rejected = [r for r in results if r["status"] == 503]
+        assert len(accepted) + len(rejected) == 20, statuses
+        # At least a full waiting queue is accepted (more as running ones get admitted).
+        assert len(accepted) >= 4 and rejected
+        assert all(r["done"] and r["finish"] == {0: "length"} for r in accepted)
+        for r in rejected:
+            assert r["headers"]["retry-after"] == "1"
+            error = r["body"]["error"]
+            assert error["type"] == "service_unavailable_error" and "waiting" in error["message"]
+        assert wait_for_idle(small, timeout=2.0)["octavo:kv_cache_usage_perc"] == 0

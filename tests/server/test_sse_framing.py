@@ -1,0 +1,105 @@
+"""Raw HTTP checks of the SSE stream: framing, required fields, usage, [DONE]."""
+
+import json
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME
+
+REQUIRED = {"id", "object", "created", "model", "choices"}
+
+
+def read_events(base_url: str, body: dict) -> tuple[str, list[str]]:
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(response.iter_text())
+    return raw, raw.split("\n\n")
+
+
+def test_every_event_is_a_data_line_and_the_stream_ends_with_done(server):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Lists are",
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "n": 2,
+        "seed": 1,
+    }
+    raw, events = read_events(server.base_url, body)
+    assert raw.endswith("data: [DONE]\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = []
+    for event in events[:-2]:
+        assert event.startswith("data: ") and "\n" not in event
+        chunks.append(json.loads(event.removeprefix("data: ")))
+    *deltas, usage = chunks
+    for chunk in deltas:
+        assert REQUIRED <= set(chunk) and chunk["object"] == "text_completion"
+        assert chunk["model"] == MODEL_NAME and isinstance(chunk["created"], int)
+        assert chunk["usage"] is None and len(chunk["choices"]) == 1
+        choice = chunk["choices"][0]
+        assert {"index", "text", "logprobs", "finish_reason"} <= set(choice)
+    assert len({c["id"] for c in chunks}) == 1
+    finishes = {}
+    for chunk in deltas:
+        choice = chunk["choices"][0]
+        assert choice["index"] not in finishes, "a chunk after the choice finished"
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert finishes == {0: "length", 1: "length"}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": usage["usage"]["prompt_tokens"],
+        "completion_tokens": 24,
+        "total_tokens": usage["usage"]["prompt_tokens"] + 24,
+    }
+
+
+def test_streamed_text_never_holds_half_a_character_or_a_partial_stop(server):
+    base = {
+        "model": MODEL_NAME,
+        "prompt": "The café menu",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    full = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=60).json()
+    text = full["choices"][0]["text"]
+    stop = text[20:26]
+    _, events = read_events(server.base_url, base | {"stream": True, "stop": [stop]})
+    deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-2]]
+    # Deltas only ever append: had a partial stop string been sent, it would be here.
+    assert "".join(deltas) == text[: text.index(stop)]
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_echo_prepends_the_prompt(server):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Echo me",
+        "max_tokens": 3,
+        "temperature": 0,
+        "echo": True,
+    }
+    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+    plain = httpx.post(
+        f"{server.base_url}/v1/completions", json=body | {"echo": False}, timeout=60
+    ).json()
+    assert out["choices"][0]["text"] == "Echo me" + plain["choices"][0]["text"]
+
+
+def test_token_id_prompts_and_several_prompts(server):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [[5, 6, 7], [8, 9]],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 2,
+    }
+    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 16
