@@ -38,11 +38,11 @@ def test_every_event_is_a_data_line_and_the_stream_ends_with_done(server):
         chunks.append(json.loads(event.removeprefix("data: ")))
     *deltas, usage = chunks
     for chunk in deltas:
-        assert REQUIRED <= set(chunk) and chunk["object"] == "text_completion"
+        assert REQUIRED.issubset(chunk) and chunk["object"] == "text_completion"
         assert chunk["model"] == MODEL_NAME and isinstance(chunk["created"], int)
         assert chunk["usage"] is None and len(chunk["choices"]) == 1
         choice = chunk["choices"][0]
-        assert {"index", "text", "logprobs", "finish_reason"} <= set(choice)
+        assert {"index", "text", "logprobs", "finish_reason"}.issubset(choice)
     assert len({c["id"] for c in chunks}) == 1
     finishes = {}
     for chunk in deltas:
@@ -51,11 +51,10 @@ def test_every_event_is_a_data_line_and_the_stream_ends_with_done(server):
         if choice["finish_reason"] is not None:
             finishes[choice["index"]] = choice["finish_reason"]
     assert finishes == {0: "length", 1: "length"}
-    assert usage["choices"] == [] and usage["usage"] == {
-        "prompt_tokens": usage["usage"]["prompt_tokens"],
-        "completion_tokens": 24,
-        "total_tokens": usage["usage"]["prompt_tokens"] + 24,
-    }
+    assert usage["choices"] == []
+    counts = usage["usage"]
+    assert counts["completion_tokens"] == 24 and counts["prompt_tokens"] > 0
+    assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
 
 
 def test_streamed_text_never_holds_half_a_character_or_a_partial_stop(server):
