@@ -15,6 +15,9 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# After a shutdown aborts what is left, how long aborted streams get to deliver their ends.
+ABORT_DRAIN_SECONDS = 5.0
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds `max_num_waiting` requests already; try again later."""
@@ -99,7 +102,10 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
-        while self._streams and self._thread is not None and self._thread.is_alive():
+        # Consumers receive their "abort" outputs and close their streams; a stream whose
+        # consumer never started cannot close, hence the bound.
+        deadline = asyncio.get_running_loop().time() + ABORT_DRAIN_SECONDS
+        while self._streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         self._commands.put(_Stop())
         if self._thread is not None:
@@ -165,6 +171,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Aborts a request in the engine thread before its next step; a no-op if unknown."""
         self._commands.put(_AbortRequest(request_id))
+
+    def discard(self, request_id: str) -> None:
+        """Aborts a request whose stream will never be iterated, and drops the stream."""
+        self._streams.pop(request_id, None)
+        self.abort(request_id)
 
     # -- the engine thread -------------------------------------------------------------------
 

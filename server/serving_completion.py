@@ -171,7 +171,7 @@ class CompletionServing:
                 )
         except (QueueFullError, EngineStoppedError) as exc:
             for i in range(len(streams)):
-                self.engine.abort(f"{request_id}-{i}")
+                self.engine.discard(f"{request_id}-{i}")
             raise APIError(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 str(exc),
@@ -183,7 +183,7 @@ class CompletionServing:
 
     async def _complete(self, request_id, request, prompts, streams) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async for index, output in self._merge(streams):
+        async for index, output in self._timed(self._merge(streams)):
             finals[index] = output
         choices = []
         for index, final in enumerate(finals):
@@ -215,13 +215,8 @@ class CompletionServing:
         trackers: dict[int, ChoiceStream] = {}
         finals: list[RequestOutput | None] = [None] * len(streams)
         created = int(time.time())
-        last_time: dict[int, float] = {}
         try:
-            async for index, output in self._merge(streams):
-                now = time.monotonic()
-                if index in last_time:
-                    self.metrics.itl.observe(now - last_time[index])
-                last_time[index] = now
+            async for index, output in self._timed(self._merge(streams)):
                 for completion in output.outputs:
                     choice_index = index * request.n + completion.index
                     tracker = trackers.setdefault(choice_index, ChoiceStream(holdback))
@@ -271,6 +266,18 @@ class CompletionServing:
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+    async def _timed(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Observes the inter-token latency of each request as its outputs arrive."""
+        last: dict[int, float] = {}
+        async for index, output in outputs:
+            now = time.monotonic()
+            if index in last:
+                self.metrics.itl.observe(now - last[index])
+            last[index] = now
+            yield index, output
 
     @staticmethod
     async def _merge(

@@ -10,16 +10,29 @@ from tests.server.conftest import MODEL_NAME, live_server
 
 
 def test_sigterm_aborts_in_flight_streams_and_exits_cleanly(tiny_model_dir, tmp_path):
-    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 250, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with live_server(tiny_model_dir, tmp_path, "--shutdown-grace-seconds", "0.2",
-                     "--max-num-batched-tokens", "16") as server:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Hello",
+        "max_tokens": 250,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with live_server(
+        tiny_model_dir,
+        tmp_path,
+        "--shutdown-grace-seconds",
+        "0.2",
+        "--max-num-batched-tokens",
+        "16",
+    ) as server:
         events: list[str] = []
         started = threading.Event()
 
         def consume() -> None:
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
-                              timeout=60) as response:
+            with httpx.stream(
+                "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
+            ) as response:
                 for line in response.iter_lines():
                     if line:
                         events.append(line)
@@ -35,6 +48,7 @@ def test_sigterm_aborts_in_flight_streams_and_exits_cleanly(tiny_model_dir, tmp_
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2].removeprefix("data: "))
     assert last["choices"][0]["finish_reason"] == "abort"
-    generated = "".join(json.loads(e.removeprefix("data: "))["choices"][0]["text"]
-                        for e in events[:-1])
+    generated = "".join(
+        json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-1]
+    )
     assert len(generated) > 0
