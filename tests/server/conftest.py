@@ -41,30 +41,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(model_dir: str, tmp_path, *extra: str) -> Iterator[LiveServer]:
+def live_server(model_dir: str | None, tmp_path, *extra: str) -> Iterator[LiveServer]:
+    """`octavo serve` on a free port; model_dir None serves the embedded default model."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
-        "serve",
-        "--model",
-        model_dir,
-        "--port",
-        str(port),
-        "--served-model-name",
-        MODEL_NAME,
-        "--device",
-        "cpu",
-        "--num-blocks",
-        "1024",
-        "--block-size",
-        "8",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
+    model = ["--model", model_dir, "--served-model-name", MODEL_NAME] if model_dir else []
+    cmd = [sys.executable, "-m", "server", "serve", *model, "--port", str(port)]
+    cmd += ["--device", "cpu", "--num-blocks", "1024", "--block-size", "8"]
+    cmd += ["--log-level", "warning", *extra]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(process, f"http://127.0.0.1:{port}", str(log_path))
