@@ -3,10 +3,13 @@
 import json
 import signal
 import threading
+import time
 
 import httpx
 
 from tests.server.conftest import MODEL_NAME, live_server
+
+NUM_STREAMS = 3
 
 
 def test_sigterm_aborts_in_flight_streams_and_exits_cleanly(tiny_model_dir, tmp_path):
@@ -18,18 +21,15 @@ def test_sigterm_aborts_in_flight_streams_and_exits_cleanly(tiny_model_dir, tmp_
         "ignore_eos": True,
         "stream": True,
     }
+    # One sequence at a time: the first stream runs, the others wait, so when the grace
+    # period ends at least the waiting ones are still in flight and must be aborted.
     with live_server(
-        tiny_model_dir,
-        tmp_path,
-        "--shutdown-grace-seconds",
-        "0.2",
-        "--max-num-batched-tokens",
-        "16",
+        tiny_model_dir, tmp_path, "--shutdown-grace-seconds", "0.2", "--max-num-seqs", "1"
     ) as server:
-        events: list[str] = []
+        streams: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
         started = threading.Event()
 
-        def consume() -> None:
+        def consume(events: list[str]) -> None:
             with httpx.stream(
                 "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
             ) as response:
@@ -38,17 +38,21 @@ def test_sigterm_aborts_in_flight_streams_and_exits_cleanly(tiny_model_dir, tmp_
                         events.append(line)
                         started.set()
 
-        reader = threading.Thread(target=consume)
-        reader.start()
+        readers = [threading.Thread(target=consume, args=(s,)) for s in streams]
+        for reader in readers:
+            reader.start()
         assert started.wait(30)
+        deadline = time.monotonic() + 30
+        while server.metrics()["octavo:num_requests_waiting"] < NUM_STREAMS - 1:
+            assert time.monotonic() < deadline, "the other requests never arrived"
+            time.sleep(0.01)
         server.process.send_signal(signal.SIGTERM)
-        reader.join(30)
-        assert not reader.is_alive()
+        for reader in readers:
+            reader.join(30)
+            assert not reader.is_alive()
         assert server.process.wait(timeout=30) == 0
-    assert events[-1] == "data: [DONE]"
-    last = json.loads(events[-2].removeprefix("data: "))
-    assert last["choices"][0]["finish_reason"] == "abort"
-    generated = "".join(
-        json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-1]
-    )
-    assert len(generated) > 0
+    reasons = []
+    for events in streams:
+        assert events[-1] == "data: [DONE]"
+        reasons.append(json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"])
+    assert set(reasons) <= {"abort", "length"} and "abort" in reasons
