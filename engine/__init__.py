@@ -4,10 +4,11 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

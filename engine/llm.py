@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int]
 
@@ -69,9 +69,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -84,16 +82,39 @@ class LLM:
                 )
         final_only = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         request_ids = [str(next(self._request_ids)) for _ in prompts]
+        self._add_all(request_ids, prompts, final_only)
+        return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt (all in one continuous batch); each RequestOutput's
+        outputs are its num_return_sequences best hypotheses, best first, with `score`."""
+        prompts = self._as_prompt_list(prompts)
+        request_ids = [str(next(self._request_ids)) for _ in prompts]
+        self._add_all(request_ids, prompts, [params] * len(prompts))
+        return self._run(request_ids, use_tqdm)
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _add_all(self, request_ids: list[str], prompts: list[PromptType], params_list) -> None:
+        """Adds every request, or none: a bad one aborts those already added and raises."""
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, final_only, strict=True):
+            for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True):
                 self.engine.add_request(request_id, prompt, params)
                 added.append(request_id)
         except ValueError:
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.beam_search import BeamState
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from engine.errors import ParameterError
@@ -15,7 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.models.weights import load_model
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceGroup
 from engine.stop_checker import StopChecker
@@ -115,7 +116,9 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def process_inputs(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+    def process_inputs(
+        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> ProcessedPrompt:
         """Tokenizes and validates a request without touching engine state (any thread may call
         it); raises ParameterError (a ValueError) naming the offending parameter."""
         text, token_ids = self._tokenize(prompt)
@@ -126,7 +129,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int] | ProcessedPrompt,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
     ) -> None:
         """Validates and queues a request; raises ValueError naming the offending parameter."""
@@ -142,6 +145,11 @@ class LLMEngine:
             arrival_time or time.monotonic(),
             self.device,
         )
+        if isinstance(params, BeamSearchParams):
+            room = self.max_model_len - len(prompt.token_ids)
+            group.beam = BeamState.create(
+                params, self.eos_token_id, max(min(params.max_tokens, room), 1)
+            )
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         seq = Sequence(
             self.scheduler.new_seq_id(), prompt.token_ids, detokenizer, group.make_generator(0)
@@ -163,7 +171,7 @@ class LLMEngine:
             raise ParameterError("prompt", "prompt must be a string or a list of integer token ids")
         return None, list(prompt)
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         if not prompt_ids:
             raise ParameterError("prompt", "prompt must not be empty")
         vocab = self.model_config.vocab_size
@@ -183,7 +191,15 @@ class LLMEngine:
             raise ParameterError(
                 "stop_token_ids", f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}"
             )
-        if params.logprobs is not None and params.logprobs > vocab:
+        if isinstance(params, BeamSearchParams):
+            stops = len(params.stop_token_ids) + (0 if params.ignore_eos else 1)
+            if max(2, 1 + stops) * params.beam_width > vocab:
+                raise ParameterError(
+                    "beam_width",
+                    f"beam_width={params.beam_width} ranks more "
+                    f"candidates per step than the vocabulary ({vocab}) has",
+                )
+        elif params.logprobs is not None and params.logprobs > vocab:
             raise ParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
         # Each group must fit alone even after a preemption undoes its prompt sharing.
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
@@ -200,7 +216,7 @@ class LLMEngine:
         """Stops a request and frees its blocks now; its final output, or None if unknown."""
         group = self.scheduler.abort(request_id)
         self._groups.pop(request_id, None)
-        return RequestOutput.from_group(group) if group is not None else None
+        return RequestOutput.from_group(group, self.tokenizer) if group is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -218,9 +234,11 @@ class LLMEngine:
         for group in self.scheduler.update(scheduled, sampled):
             if group.is_finished:
                 del self._groups[group.request_id]
+            elif group.beam is not None:
+                continue  # beam search ranks whole sequences: only final outputs mean anything
             elif group.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(RequestOutput.from_group(group))
+            outputs.append(RequestOutput.from_group(group, self.tokenizer))
         return outputs
 
     def stats(self) -> EngineStats:

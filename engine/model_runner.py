@@ -7,7 +7,7 @@ import torch
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.gpt2 import GPT2LMHeadModel
-from engine.sampler import Sampler, SamplerOutput, SamplingRequest
+from engine.sampler import ModelRunnerOutput, Sampler, SamplerOutput, SamplingRequest
 from engine.scheduler import SchedulerOutput
 
 
@@ -56,12 +56,13 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> SamplerOutput:
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if output.blocks_to_copy:
             self.copy_blocks(output.blocks_to_copy)
         input_ids, positions, slots = [], [], []
         seq_lens, query_lens, tables = [], [], []
         sample_rows: list[int] = []
+        beam_rows: list[int] = []
         requests: list[SamplingRequest] = []
         num_decodes = 0
         bs = self.block_size
@@ -78,8 +79,11 @@ class ModelRunner:
             if item.num_new_tokens == 1 and num_decodes == len(seq_lens) - 1:
                 num_decodes += 1
             for target in item.sample_seqs:
-                sample_rows.append(len(input_ids) - 1)
-                requests.append(SamplingRequest(item.group.sampling_params, target))
+                if item.group.beam is not None:
+                    beam_rows.append(len(input_ids) - 1)
+                else:
+                    sample_rows.append(len(input_ids) - 1)
+                    requests.append(SamplingRequest(item.group.sampling_params, target))
 
         max_blocks = max(len(t) for t in tables)
         cu_seqlens = [0]
@@ -105,10 +109,17 @@ class ModelRunner:
             self.kv_cache,
             self.backend.prepare(metadata),
         )
-        if not requests:
-            return SamplerOutput([], [], [])
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)])
-        return self.sampler(logits, requests)
+        rows = sample_rows + beam_rows
+        if not rows:
+            return ModelRunnerOutput(SamplerOutput([], [], []))
+        logits = self.model.compute_logits(hidden[self._tensor(rows, torch.long)])
+        sampled = SamplerOutput([], [], [])
+        if requests:
+            sampled = self.sampler(logits[: len(sample_rows)], requests)
+        beam_logprobs = None
+        if beam_rows:
+            beam_logprobs = torch.log_softmax(logits[len(sample_rows) :], dim=-1)
+        return ModelRunnerOutput(sampled, beam_logprobs)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sequence import Sequence, SequenceGroup
+from engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -24,6 +25,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    score: float | None = None  # beam search: cumulative_logprob / length ** length_penalty
 
     @property
     def finished(self) -> bool:
@@ -52,9 +54,12 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
 
     @classmethod
-    def from_group(cls, group: SequenceGroup) -> RequestOutput:
-        want_logprobs = group.sampling_params.logprobs is not None
-        outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
+    def from_group(cls, group: SequenceGroup, tokenizer: Tokenizer | None) -> RequestOutput:
+        if group.beam is not None:
+            outputs = _beam_completions(group, tokenizer)
+        else:
+            want_logprobs = group.sampling_params.logprobs is not None
+            outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
         metrics = RequestMetrics(
             group.arrival_time,
             group.first_scheduled_time,
@@ -69,6 +74,24 @@ class RequestOutput:
             group.is_finished,
             metrics,
         )
+
+
+def _beam_completions(group: SequenceGroup, tokenizer: Tokenizer | None) -> list[CompletionOutput]:
+    """The best num_return_sequences hypotheses, best first (an aborted search: none)."""
+    params = group.sampling_params
+    hypotheses = group.beam.hypotheses()[: params.num_return_sequences]
+    return [
+        CompletionOutput(
+            index=i,
+            text=tokenizer.decode(h.token_ids, params.skip_special_tokens) if tokenizer else "",
+            token_ids=h.token_ids,
+            cumulative_logprob=h.cumulative_logprob,
+            logprobs=None,
+            finish_reason=h.finish_reason,
+            score=h.score,
+        )
+        for i, h in enumerate(hypotheses)
+    ]
 
 
 def _completion(index: int, seq: Sequence, want_logprobs: bool) -> CompletionOutput:

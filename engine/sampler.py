@@ -31,6 +31,15 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
+@dataclass
+class ModelRunnerOutput:
+    """A step's results: sampled tokens for sampling rows, and for beam-search rows the full
+    log-softmax over the vocabulary (BeamSearch ranks candidates across beams itself)."""
+
+    sampled: SamplerOutput
+    beam_logprobs: torch.Tensor | None = None  # [num_beam_rows, vocab] float32
+
+
 class Sampler:
     """Turns logits into tokens following vLLM's order of operations.
 

@@ -121,3 +121,64 @@ class SamplingParams:
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search with Hugging Face `generate(num_beams=...)` semantics.
+
+    beam_width beams are kept; each step the 2 x beam_width (more with several stop tokens)
+    best continuations are ranked, those ending in EOS or a stop token among the first
+    beam_width become finished hypotheses scored `sum(logprobs) / length ** length_penalty`,
+    and the best others continue. early_stopping: True stops once beam_width hypotheses are
+    finished; False stops when no running beam can beat the worst finished one at its current
+    length; "never" assumes the longest possible length when length_penalty > 0. A beam_width
+    of 1 is greedy decoding, as in HF. The num_return_sequences best hypotheses are returned.
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ParameterError(
+                "beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}"
+            )
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not 1 <= self.num_return_sequences <= self.beam_width:
+            raise ParameterError(
+                "num_return_sequences",
+                "num_return_sequences must be in "
+                f"[1, beam_width={self.beam_width}], got "
+                f"{self.num_return_sequences}",
+            )
+        if self.early_stopping not in (True, False, "never"):
+            raise ParameterError(
+                "early_stopping",
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ParameterError(
+                "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ParameterError(
+                "stop_token_ids",
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
+            )
+
+    @property
+    def n(self) -> int:
+        """Sequences the request keeps in the batch at once."""
+        return self.beam_width

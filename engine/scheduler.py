@@ -7,8 +7,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
-from engine.sampler import SamplerOutput
+from engine.sampler import ModelRunnerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stop_checker import StopChecker
 
@@ -72,6 +73,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompts admitted (each counted once)
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
+        self.beam_search = BeamSearch(block_manager, self.new_seq_id)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -152,6 +154,8 @@ class Scheduler:
 
     def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """How many tokens each unfinished sequence of `group` computes within `budget`."""
+        if group.beam is not None and len(group.unfinished_seqs) > 1:
+            return self._plan_beams(group, budget)
         plan = []
         for seq in group.unfinished_seqs:
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -159,6 +163,28 @@ class Scheduler:
                 break
             plan.append((seq, num_new))
             budget -= num_new
+        return plan
+
+    @staticmethod
+    def _plan_beams(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """Live beams decode together: one step ranks candidates across all of them.
+
+        After a preemption they are recomputed sharing the prompt again: the first beam
+        computes the prompt, the others fork it at the prompt's end (see `_commit`), then each
+        computes its own tokens but the last, which all beams compute in one decode step.
+        """
+        beams = group.unfinished_seqs
+        if all(b.num_uncomputed_tokens == 1 for b in beams):
+            return [(b, 1) for b in beams] if budget >= len(beams) else []
+        first, prompt_len = beams[0], len(group.prompt_token_ids)
+        if first.num_computed_tokens < prompt_len:
+            return [(first, min(prompt_len - first.num_computed_tokens, budget))]
+        plan = []
+        for beam in beams:
+            num_new = min(beam.num_uncomputed_tokens - 1, budget)
+            if num_new > 0:
+                plan.append((beam, num_new))
+                budget -= num_new
         return plan
 
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
@@ -180,6 +206,10 @@ class Scheduler:
                 sample_seqs = [seq]
                 if group.needs_fork:
                     sample_seqs += self._fork(group, seq)
+            elif group.beam is not None and seq.num_computed_tokens + num_new == len(
+                group.prompt_token_ids
+            ):
+                self._share_recomputed_prompt(group, seq)
             scheduled.append(ScheduledSequence(group, seq, num_new, sample_seqs))
         return sum(n for _, n in plan)
 
@@ -192,6 +222,13 @@ class Scheduler:
             children.append(child)
         return children
 
+    def _share_recomputed_prompt(self, group: SequenceGroup, first: Sequence) -> None:
+        """The other beams of a recomputed group take the prompt blocks `first` is filling."""
+        for beam in group.unfinished_seqs:
+            if beam is not first and beam.num_computed_tokens == 0:
+                self.block_manager.fork(first, beam)
+                beam.num_computed_tokens = len(group.prompt_token_ids)
+
     def _preempt(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs:
             self.block_manager.free(seq)
@@ -203,15 +240,23 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceGroup]:
-        """Appends the sampled tokens, applies stop rules, frees finished sequences; returns
-        the groups that received tokens this step, finished ones included."""
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
+        """Appends the sampled tokens, applies stop rules, advances beam searches, frees
+        finished sequences; returns the groups that progressed this step, finished included."""
         now = time.monotonic()
-        row = 0
+        sampled = result.sampled
+        row = beam_row = 0
         updated: dict[int, SequenceGroup] = {}
+        beam_rows: dict[int, dict[int, int]] = {}  # group -> seq_id -> row of beam_logprobs
         for item in output.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             group = item.group
+            if group.beam is not None:
+                for seq in item.sample_seqs:
+                    beam_rows.setdefault(id(group), {})[seq.seq_id] = beam_row
+                    beam_row += 1
+                    updated[id(group)] = group
+                continue
             for seq in item.sample_seqs:
                 seq.num_computed_tokens = item.seq.num_computed_tokens
                 seq.append_token(
@@ -225,6 +270,15 @@ class Scheduler:
             if item.sample_seqs and group.first_token_time is None:
                 group.first_token_time = now
         self.num_generation_tokens += row
+        for key, rows in beam_rows.items():
+            group = updated[key]
+            beams = group.unfinished_seqs
+            self.beam_search.step(group, result.beam_logprobs[[rows[b.seq_id] for b in beams]])
+            self.num_generation_tokens += len(beams)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if group.is_finished:
+                group.finished_time = now
         if any(g.is_finished for g in updated.values()):
             self.running = [g for g in self.running if not g.is_finished]
         return list(updated.values())

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -100,7 +104,8 @@ class Sequence:
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """All sequences of one request: one before its prompt is computed, `n` after it forks.
+    """All sequences of one request: one before its prompt is computed, `n` after it forks
+    (sampling), or the live beams (beam search, with its state in `beam`).
 
     The group is the unit of admission and preemption; its sequences are scheduled together.
     """
@@ -108,7 +113,7 @@ class SequenceGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | BeamSearchParams
     arrival_time: float
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seqs: list[Sequence] = field(default_factory=list)
@@ -116,6 +121,7 @@ class SequenceGroup:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    beam: BeamState | None = None
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:
@@ -128,12 +134,11 @@ class SequenceGroup:
     def make_generator(self, index: int) -> torch.Generator | None:
         """The random generator of sample `index` of a seeded request (seed + index, as vLLM
         seeds parallel samples), or None to draw from the engine's shared generator."""
-        seed = self.sampling_params.seed
-        if seed is None:
+        if self.beam is not None or self.sampling_params.seed is None:
             return None
-        return torch.Generator(device=self.device).manual_seed(seed + index)
+        return torch.Generator(device=self.device).manual_seed(self.sampling_params.seed + index)
 
     @property
     def needs_fork(self) -> bool:
-        """True until the prompt has been sampled into `n` sequences."""
-        return len(self.seqs) < self.sampling_params.n
+        """True until the prompt of a sampling request has been sampled into `n` sequences."""
+        return self.beam is None and len(self.seqs) < self.sampling_params.n

@@ -3,7 +3,7 @@
 import itertools
 
 from engine.block_manager import BlockManager
-from engine.sampler import SamplerOutput
+from engine.sampler import ModelRunnerOutput, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -44,7 +44,7 @@ def step(scheduler: Scheduler, bm: BlockManager) -> SchedulerOutput:
     bm.check_invariants()
     rows = sum(len(s.sample_seqs) for s in out.scheduled)
     tokens = [next(_tokens) for _ in range(rows)]
-    scheduler.update(out, SamplerOutput(tokens, [0.0] * rows, [None] * rows))
+    scheduler.update(out, ModelRunnerOutput(SamplerOutput(tokens, [0.0] * rows, [None] * rows)))
     bm.check_invariants()
     return out
 

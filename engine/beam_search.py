@@ -1,0 +1,223 @@
+"""Beam search on the paged cache: beams are forks that share blocks; HF-identical selection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import BeamSearchParams
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# Hugging Face marks impossible candidates and empty hypothesis slots with this score; using
+# the same float32 arithmetic keeps every ranking, ties included, identical to theirs.
+NEG_INF_SCORE = -1.0e9
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its generated tokens (ending in the stop token if it stopped)."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
+    finish_reason: str
+
+
+@dataclass
+class BeamState:
+    """A beam group's search state; the live beams are the group's unfinished sequences, in
+    the order of `running_scores` (best first)."""
+
+    params: BeamSearchParams
+    stop_token_ids: list[int]
+    max_new_tokens: int
+    running_scores: torch.Tensor  # float32 [num_live_beams]
+    slots: list[Hypothesis | None] = field(default_factory=list)  # beam_width, best first
+    slot_scores: torch.Tensor | None = None  # float32 [beam_width], NEG_INF_SCORE if empty
+    heuristic_unsatisfied: bool = True
+    done: bool = False
+
+    @classmethod
+    def create(
+        cls, params: BeamSearchParams, eos_token_id: int | None, max_new_tokens: int
+    ) -> BeamState:
+        stops = [] if params.ignore_eos or eos_token_id is None else [eos_token_id]
+        stops += [t for t in params.stop_token_ids if t not in stops]
+        width = params.beam_width
+        return cls(
+            params,
+            stops,
+            max_new_tokens,
+            torch.zeros(1),
+            slots=[None] * width,
+            slot_scores=torch.full((width,), NEG_INF_SCORE),
+        )
+
+    @property
+    def candidates_per_step(self) -> int:
+        """HF keeps (1 + number of stop tokens) x beam_width candidates, at least 2 x."""
+        return max(2, 1 + len(self.stop_token_ids)) * self.params.beam_width
+
+    def hypotheses(self) -> list[Hypothesis]:
+        return [h for h in self.slots if h is not None]
+
+
+class BeamSearch:
+    """Applies one step of beam search to a group given each live beam's next-token log-probs.
+
+    Follows transformers' `_beam_search` step for step: accumulated scores over all beams,
+    top candidates, candidates ending in a stop token (or at max length) among the first
+    beam_width become hypotheses, the best others continue. A continuing beam whose parent
+    is another beam is a BlockManager fork of the parent (tables copied, nothing moved);
+    parents nobody continues are freed. A beam_width of 1 is greedy decoding, as in HF.
+    """
+
+    def __init__(self, block_manager: BlockManager, new_seq_id: Callable[[], int]):
+        self.block_manager = block_manager
+        self.new_seq_id = new_seq_id
+
+    def step(self, group: SequenceGroup, logprobs: torch.Tensor) -> None:
+        """logprobs: [num_live_beams, vocab] float32 log_softmax of each beam's logits."""
+        state = group.beam
+        assert state is not None
+        beams = group.unfinished_seqs
+        generated = beams[0].num_output_tokens
+        if generated < state.params.min_tokens and state.stop_token_ids:
+            logprobs = logprobs.clone()
+            logprobs[:, state.stop_token_ids] = float("-inf")
+        if state.params.beam_width == 1:
+            self._greedy_step(group, beams[0], logprobs[0], generated)
+            return
+        width = state.params.beam_width
+        vocab = logprobs.shape[1]
+        scores = (logprobs + state.running_scores[:, None]).reshape(-1)
+        top_scores, top_index = scores.topk(state.candidates_per_step)
+        parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
+        at_max_len = generated + 1 >= state.max_new_tokens
+        hits = torch.tensor([at_max_len or t in state.stop_token_ids for t in tokens])
+
+        running = top_scores + hits.float() * NEG_INF_SCORE
+        next_index = running.topk(width).indices.tolist()
+        self._finish_candidates(state, beams, parents, tokens, top_scores, hits, generated)
+        state.running_scores = running[next_index]
+        self._advance(
+            group,
+            beams,
+            [(parents[i], tokens[i], logprobs[parents[i], tokens[i]]) for i in next_index],
+        )
+        state.done = self._is_done(state, generated + 1, bool(hits.all()))
+        if state.done:
+            self._finish_group(group)
+
+    def _greedy_step(
+        self, group: SequenceGroup, beam: Sequence, logprobs: torch.Tensor, generated: int
+    ) -> None:
+        state = group.beam
+        token = int(logprobs.argmax())
+        state.running_scores = state.running_scores + logprobs[token]
+        beam.append_token(token, float(logprobs[token]), None)
+        stopped = token in state.stop_token_ids
+        if stopped or generated + 1 >= state.max_new_tokens:
+            length = generated + 1
+            score = float(state.running_scores[0] / (length**state.params.length_penalty))
+            state.slots[0] = Hypothesis(
+                beam.output_token_ids,
+                float(state.running_scores[0]),
+                score,
+                "stop" if stopped else "length",
+            )
+            state.done = True
+            self._finish_group(group)
+
+    def _finish_candidates(
+        self,
+        state: BeamState,
+        beams: list[Sequence],
+        parents: list[int],
+        tokens: list[int],
+        top_scores: torch.Tensor,
+        hits: torch.Tensor,
+        generated: int,
+    ) -> None:
+        """Merges the stopped candidates among the first beam_width into the best slots."""
+        width = state.params.beam_width
+        just_finished = hits.clone()
+        just_finished[width:] = False
+        if not bool(just_finished.any()):
+            return
+        length = generated + 1
+        normalized = top_scores / (length**state.params.length_penalty)
+        normalized = normalized + (~just_finished).float() * NEG_INF_SCORE
+        merged = torch.cat((state.slot_scores, normalized))
+        keep = merged.topk(width).indices.tolist()
+        new_slots = []
+        for index in keep:
+            if index < width:
+                new_slots.append(state.slots[index])
+                continue
+            i = index - width
+            if not bool(just_finished[i]):
+                new_slots.append(None)  # a -1e9 filler, exactly as HF keeps one
+                continue
+            parent = beams[parents[i]]
+            stopped = tokens[i] in state.stop_token_ids
+            new_slots.append(
+                Hypothesis(
+                    parent.output_token_ids + [tokens[i]],
+                    float(top_scores[i]),
+                    float(normalized[i]),
+                    "stop" if stopped else "length",
+                )
+            )
+        state.slots = new_slots
+        state.slot_scores = merged[keep]
+
+    def _advance(
+        self,
+        group: SequenceGroup,
+        beams: list[Sequence],
+        chosen: list[tuple[int, int, torch.Tensor]],
+    ) -> None:
+        """Makes the chosen (parent, token) pairs the live beams, forking and freeing blocks."""
+        used: set[int] = set()
+        next_beams: list[Sequence] = []
+        for parent_index, _, _ in chosen:
+            parent = beams[parent_index]
+            if parent_index in used:  # another child of this parent: share its blocks
+                child = parent.fork(self.new_seq_id(), None)
+                self.block_manager.fork(parent, child)
+                next_beams.append(child)
+            else:
+                used.add(parent_index)
+                next_beams.append(parent)
+        # Forks copied their parents' tokens above; now every beam gets its own new token.
+        for beam, (_, token, logprob) in zip(next_beams, chosen, strict=True):
+            beam.append_token(token, float(logprob), None)
+        for index, beam in enumerate(beams):
+            if index not in used:  # pruned: nobody continues it
+                beam.status = SequenceStatus.FINISHED_STOPPED
+                self.block_manager.free(beam)
+        group.seqs = next_beams
+
+    @staticmethod
+    def _is_done(state: BeamState, generated: int, all_hit: bool) -> bool:
+        """HF's stopping rule after a step (`generated` tokens now in every beam)."""
+        params = state.params
+        if params.early_stopping == "never" and params.length_penalty > 0.0:
+            length = state.max_new_tokens
+        else:
+            length = generated
+        best_running = state.running_scores[0] / (length**params.length_penalty)
+        full = all(slot is not None for slot in state.slots)
+        worst = state.slot_scores.min() if full else torch.tensor(NEG_INF_SCORE)
+        state.heuristic_unsatisfied = state.heuristic_unsatisfied and bool(best_running > worst)
+        all_finished_early = full and params.early_stopping is True
+        return not state.heuristic_unsatisfied or all_finished_early or all_hit
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        for beam in group.unfinished_seqs:
+            beam.status = SequenceStatus.FINISHED_STOPPED
+            self.block_manager.free(beam)
