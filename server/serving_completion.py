@@ -14,7 +14,7 @@ from engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from engine.errors import ParameterError
 from engine.llm_engine import ProcessedPrompt
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.tokenizer import Tokenizer
 from server.errors import APIError
 from server.metrics import ServerMetrics
@@ -79,12 +79,8 @@ class CompletionServing:
                 code="model_not_found",
             )
         if request.use_beam_search:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                "use_beam_search is not supported yet",
-                param="use_beam_search",
-            )
-        if request.best_of is not None and request.best_of != request.n:
+            self._check_beam_search(request)
+        elif request.best_of is not None and request.best_of != request.n:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
                 "best_of is only supported with use_beam_search",
@@ -109,20 +105,43 @@ class CompletionServing:
                 param="stream_options",
             )
 
+    @staticmethod
+    def _check_beam_search(request: CompletionRequest) -> None:
+        """Beam search (vLLM's use_beam_search: best_of beams, the n best returned) ranks
+        whole sequences, so it has no stream, no per-token logprobs and no stop strings."""
+        unsupported = [
+            ("stream", request.stream),
+            ("logprobs", request.logprobs is not None),
+            ("stop", bool(request.stop)),
+        ]
+        for param, present in unsupported:
+            if present:
+                raise APIError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"{param} is not supported with use_beam_search",
+                    param=param,
+                )
+        if request.best_of is not None and request.best_of < request.n:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"best_of ({request.best_of}) must be >= n ({request.n})",
+                param="best_of",
+            )
+
     def _process(
         self, request: CompletionRequest, prompt: str | list[int]
-    ) -> tuple[ProcessedPrompt, SamplingParams]:
+    ) -> tuple[ProcessedPrompt, SamplingParams | BeamSearchParams]:
         """Tokenizes and validates one prompt; max_tokens defaults to the room left in the
         context, and a prompt plus max_tokens that overflow the context is a 400."""
         try:
             if request.max_tokens is None:  # validate with a placeholder, then fill the context
-                params = self._sampling_params(request, max(request.min_tokens, 1))
+                params = self._params(request, max(request.min_tokens, 1))
             else:
-                params = self._sampling_params(request, request.max_tokens)
+                params = self._params(request, request.max_tokens)
             processed = self.engine.process_inputs(prompt, params)
             room = self.max_model_len - len(processed.token_ids)
             if request.max_tokens is None:
-                params = self._sampling_params(request, max(room, 1))
+                params = self._params(request, max(room, 1))
                 processed = self.engine.process_inputs(processed.token_ids, params)
             elif request.max_tokens > room:
                 raise ParameterError(
@@ -138,7 +157,23 @@ class CompletionServing:
             raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
 
     @staticmethod
-    def _sampling_params(request: CompletionRequest, max_tokens: int) -> SamplingParams:
+    def _params(request: CompletionRequest, max_tokens: int) -> SamplingParams | BeamSearchParams:
+        if request.use_beam_search:
+            try:
+                return BeamSearchParams(
+                    beam_width=request.best_of or request.n,
+                    max_tokens=max_tokens,
+                    num_return_sequences=request.n,
+                    length_penalty=request.length_penalty,
+                    early_stopping=request.early_stopping,
+                    min_tokens=request.min_tokens,
+                    ignore_eos=request.ignore_eos,
+                    stop_token_ids=request.stop_token_ids,
+                    skip_special_tokens=request.skip_special_tokens,
+                )
+            except ParameterError as exc:  # name the fields as the client sent them
+                param = {"beam_width": "best_of", "num_return_sequences": "n"}.get(exc.param)
+                raise ParameterError(param or exc.param, str(exc)) from exc
         return SamplingParams(
             n=request.n,
             presence_penalty=request.presence_penalty,
