@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.beam_search import Hypothesis
 from engine.sequence import Sequence, SequenceGroup
 from engine.tokenizer import Tokenizer
 
@@ -77,9 +78,20 @@ class RequestOutput:
 
 
 def _beam_completions(group: SequenceGroup, tokenizer: Tokenizer | None) -> list[CompletionOutput]:
-    """The best num_return_sequences hypotheses, best first (an aborted search: none)."""
+    """The best num_return_sequences hypotheses, best first. A search aborted before any
+    hypothesis finished reports its live beams, best first, with finish_reason "abort"."""
     params = group.sampling_params
-    hypotheses = group.beam.hypotheses()[: params.num_return_sequences]
+    hypotheses = group.beam.hypotheses()
+    if not hypotheses:
+        hypotheses = [
+            Hypothesis(
+                seq.output_token_ids,
+                cumulative,
+                cumulative / max(seq.num_output_tokens, 1) ** params.length_penalty,
+                "abort",
+            )
+            for seq, cumulative in zip(group.seqs, group.beam.running_scores.tolist(), strict=False)
+        ]
     return [
         CompletionOutput(
             index=i,
@@ -90,7 +102,7 @@ def _beam_completions(group: SequenceGroup, tokenizer: Tokenizer | None) -> list
             finish_reason=h.finish_reason,
             score=h.score,
         )
-        for i, h in enumerate(hypotheses)
+        for i, h in enumerate(hypotheses[: params.num_return_sequences])
     ]
 
 

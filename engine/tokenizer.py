@@ -30,9 +30,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def token_to_id(self, token: str) -> int | None:
-        return self._tokenizer.token_to_id(token)
-
 
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text, one delta per new token.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-EOS_TOKEN = "<|endoftext|>"
+from server.train_default_model import corpus, train_tokenizer
 
 
 @dataclass(frozen=True)
@@ -31,27 +31,9 @@ class TinySpec:
 
 
 @cache
-def corpus() -> tuple[str, ...]:
-    from pydoc_data.topics import topics
-
-    return tuple(topics[name] for name in sorted(topics))
-
-
-@cache
 def tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus(), trainer)
-    return tokenizer.to_str()
+    """The default model's tokenizer recipe at another vocabulary size (cached per size)."""
+    return train_tokenizer(corpus(), vocab_size).to_str()
 
 
 def make_checkpoint(folder: Path, spec: TinySpec) -> str:

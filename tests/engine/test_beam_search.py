@@ -167,3 +167,18 @@ def test_beam_params_are_validated():
     ]:
         with pytest.raises(ValueError, match=name):
             BeamSearchParams(**kwargs)
+
+
+def test_an_aborted_beam_search_reports_its_live_beams(eos_model_dir):
+    engine = LLMEngine(EngineConfig(model=eos_model_dir, device="cpu", num_blocks=256,
+                                    block_size=4))
+    params = BeamSearchParams(beam_width=3, max_tokens=30, num_return_sequences=2,
+                              ignore_eos=True)
+    engine.add_request("r", [5, 6, 7], params)
+    for _ in range(4):
+        engine.step()
+    final = engine.abort_request("r")
+    assert final.finished and [o.finish_reason for o in final.outputs] == ["abort", "abort"]
+    assert all(len(o.token_ids) == 4 for o in final.outputs)
+    assert final.outputs[0].score >= final.outputs[1].score
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
