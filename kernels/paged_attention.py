@@ -1,0 +1,321 @@
+"""paged_attention: causal attention for a mixed batch of prefill chunks and decodes, reading
+every key and value (cached context and this step's tokens) through the block table."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Decode path: keys per loop iteration, and split-KV limits (a split below this many keys
+# costs more in its partial write and reduce than it gains in parallelism).
+DECODE_BLOCK_N = 64
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 16
+# Prefill path tiles. Every tl.dot dimension must be >= 16 on the GPU compiler.
+MIN_DOT_DIM = 16
+
+
+def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M queries, BLOCK_N keys) of the tl.dot path, from head_dim and dtype only.
+
+    16-bit inputs fit 64 x 64 tiles with head_dim <= 128 in shared memory; fp32 operands
+    take twice the space, as does a larger head_dim. Never below MIN_DOT_DIM.
+    """
+    if dtype == torch.float32 or head_dim > 128:
+        return 32, 32
+    return 64, 64
+
+
+def choose_num_splits(num_seqs: int, num_heads: int, max_seqlen_k: int, num_sms: int) -> int:
+    """Split-KV factor for the decode path: enough programs to fill the device, only for
+    contexts long enough that every split has MIN_KEYS_PER_SPLIT keys."""
+    programs = num_seqs * num_heads
+    if programs >= num_sms or max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(wanted, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    scale,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # query i sits at absolute position context + i
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    q_pos = context + rows
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+    # Causal: this tile's last query sees keys up to its own position.
+    kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < seq_len
+        blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
+        slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
+        kv_offsets = slots[:, None] + head * cache_stride_h + dims[None, :]
+        kv_mask = col_mask[:, None] & dim_mask[None, :]
+        # other=0: slots past seq_len in a partial block may hold anything, NaN included.
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        visible = (cols[None, :] <= q_pos[:, None]) & col_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; subtracting it would give NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+    block_tables_ptr, seq_lens_ptr,
+    scale, num_splits,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+):  # fmt: skip
+    """One query per sequence: a GEMV, so no tl.dot (a 16-row MMA tile would waste 15 rows).
+    Split `split` of `num_splits` covers an equal, BLOCK_N-aligned share of the keys."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * q_stride_t + head * q_stride_h + dims, mask=dim_mask, other=0.0)
+    q = q.to(tl.float32)
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * bt_stride_s
+    for block_start in range(start, end, BLOCK_N):
+        cols = block_start + tl.arange(0, BLOCK_N)
+        col_mask = cols < end
+        blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
+        slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
+        kv_offsets = slots[:, None] + head * cache_stride_h + dims[None, :]
+        kv_mask = col_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * scale
+        s = tl.where(col_mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe)
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    if WRITE_PARTIAL:
+        # fp32 partials: unnormalised acc, and (max, sum) for the reduce.
+        part = (seq * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + part * HEAD_DIM + dims, acc, mask=dim_mask)
+        tl.store(part_stats_ptr + part * 2, m_i)
+        tl.store(part_stats_ptr + part * 2 + 1, l_i)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(
+            out_ptr + seq * o_stride_t + head * o_stride_h + dims,
+            out.to(out_ptr.dtype.element_ty),
+            mask=dim_mask,
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_stats_ptr, out_ptr, num_splits, o_stride_t, o_stride_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    num_heads = tl.num_programs(1)
+    splits = tl.arange(0, SPLITS)
+    split_mask = splits < num_splits
+    parts = (seq * num_heads + head) * num_splits + splits
+    m = tl.load(part_stats_ptr + parts * 2, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_stats_ptr + parts * 2 + 1, mask=split_mask, other=0.0)  # noqa: E741
+    m_max = tl.max(m, axis=0)  # split 0 always has keys: finite
+    weights = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    acc = tl.load(
+        part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)
+    tl.store(
+        out_ptr + seq * o_stride_t + head * o_stride_h + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.shape[2:] != (num_heads, head_dim) or k_cache.dtype != q.dtype:
+        raise ValueError(f"cache {tuple(k_cache.shape)} {k_cache.dtype} does not match q")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("head_dim must be the contiguous dimension")
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("cu_seqlens_q", cu_seqlens_q),
+    ):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError("block_tables, seq_lens and cu_seqlens_q disagree on the batch size")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """out[t] = causal softmax(q[t] K^T * scale) V over each sequence's paged keys.
+
+    q, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_heads,
+    head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (keys
+    after this step, context included); cu_seqlens_q int32 [num_seqs + 1]. A batch with
+    max_seqlen_q == 1 takes the decode path (split-KV over `num_splits`, chosen by
+    choose_num_splits when None); any other takes the tl.dot path, which ignores num_splits.
+    """
+    _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    common = (
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        k_cache.shape[1],
+    )
+    if max_seqlen_q > 1:
+        block_m, block_n = prefill_tiles(head_dim, q.dtype)
+        grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
+        return out
+    if num_tokens != num_seqs:
+        raise ValueError("a decode batch (max_seqlen_q == 1) has one token per sequence")
+    splits = num_splits or choose_num_splits(num_seqs, num_heads, max_seqlen_k, _num_sms(q.device))
+    partial = (
+        torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        if splits > 1
+        else out
+    )
+    stats = (
+        torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+        if splits > 1
+        else out
+    )
+    _decode_kernel[(num_seqs, num_heads, splits)](
+        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, scale, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, WRITE_PARTIAL=splits > 1,
+    )  # fmt: skip
+    if splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            partial, stats, out, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=triton.next_power_of_2(splits),
+        )  # fmt: skip
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The same contract, one sequence at a time in fp32 plain torch."""
+    block_size = k_cache.shape[1]
+    for s in range(seq_lens.shape[0]):
+        q_start, q_end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        seq_len = int(seq_lens[s])
+        context = seq_len - (q_end - q_start)
+        positions = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[s, positions // block_size].long()
+        keys = k_cache[blocks, positions % block_size].float()  # [seq_len, H, D]
+        values = v_cache[blocks, positions % block_size].float()
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys) * scale
+        query_pos = context + torch.arange(q_end - q_start, device=q.device)
+        scores = scores.masked_fill(
+            positions[None, None, :] > query_pos[None, :, None], float("-inf")
+        )
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+    return out

@@ -1,0 +1,96 @@
+"""paged_attention against its torch twin in the Triton interpreter (tiny shapes)."""
+
+import pytest
+import torch
+
+from kernels.paged_attention import (
+    MIN_DOT_DIM,
+    choose_num_splits,
+    paged_attention,
+    paged_attention_ref,
+    prefill_tiles,
+)
+from tests.kernels.paged_setup import make_batch
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+CASES = {
+    # name: (query_lens, seq_lens, block_size)
+    "decode_only": ([1, 1, 1, 1], [9, 1, 16, 23], 4),
+    "mixed": ([1, 7, 1, 12], [20, 7, 5, 30], 4),
+    "chunked_prefill_with_context": ([9, 16], [33, 40], 8),
+    "exact_block_multiples": ([8, 1], [16, 32], 8),
+    "kv_len_1": ([1], [1], 4),
+    "long_prompt_spanning_tiles": ([70], [70], 16),
+}
+
+
+def run(batch, fn, **kwargs):
+    out = torch.empty_like(batch.q)
+    return fn(*batch.args(), out, batch.scale, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_reference(case, dtype):
+    query_lens, seq_lens, block_size = CASES[case]
+    batch = make_batch(
+        query_lens, seq_lens, num_heads=2, head_dim=32, block_size=block_size, dtype=dtype
+    )
+    expected = run(batch, paged_attention_ref)
+    got = run(batch, paged_attention)
+    assert not torch.isnan(got).any(), "NaN from unused (poisoned) cache slots leaked in"
+    torch.testing.assert_close(
+        got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_split_kv_gives_the_same_decode(num_splits):
+    batch = make_batch(
+        [1, 1, 1], [70, 3, 129], num_heads=2, head_dim=16, block_size=8, dtype=torch.float32, seed=1
+    )
+    expected = run(batch, paged_attention_ref)
+    got = run(batch, paged_attention, num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1], [40, 17]), ([5, 1], [21, 9])])
+def test_physical_block_placement_does_not_matter(query_lens, seq_lens):
+    batch = make_batch(
+        query_lens, seq_lens, num_heads=2, head_dim=16, block_size=4, dtype=torch.float32, seed=2
+    )
+    baseline = run(batch, paged_attention)
+    moved = run(batch.permuted(seed=3), paged_attention)
+    torch.testing.assert_close(moved, baseline, atol=1e-6, rtol=1e-6)
+
+
+def test_four_heads_and_strided_queries():
+    batch = make_batch(
+        [3, 1], [11, 6], num_heads=4, head_dim=16, block_size=2, dtype=torch.float32, seed=4
+    )
+    fused = torch.randn(batch.q.shape[0], 3, 4, 16)  # q as a view of a fused projection
+    fused[:, 0] = batch.q
+    batch.q = fused[:, 0]
+    assert not batch.q.is_contiguous()
+    torch.testing.assert_close(
+        run(batch, paged_attention), run(batch, paged_attention_ref), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("num_heads", [12, 16, 20, 25])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tile_heuristics_keep_every_dot_dimension_at_least_16(num_heads, dtype):
+    for n_embd in (768, 1024, 1280, 1600, num_heads * 32, num_heads * 128):
+        head_dim = n_embd // num_heads
+        block_m, block_n = prefill_tiles(head_dim, dtype)
+        assert min(block_m, block_n, head_dim) >= MIN_DOT_DIM or head_dim < MIN_DOT_DIM
+        assert block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
+
+
+def test_split_heuristic_only_splits_long_contexts_on_an_underfilled_device():
+    assert choose_num_splits(num_seqs=256, num_heads=12, max_seqlen_k=1024, num_sms=132) == 1
+    assert choose_num_splits(num_seqs=1, num_heads=12, max_seqlen_k=128, num_sms=132) == 1
+    splits = choose_num_splits(num_seqs=1, num_heads=12, max_seqlen_k=1024, num_sms=132)
+    assert 1 < splits <= 1024 // 256
+    assert choose_num_splits(num_seqs=2, num_heads=12, max_seqlen_k=65536, num_sms=132) <= 16
