@@ -12,6 +12,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # A CPU KV cache of this size holds tens of thousands of tokens even for GPT-2 xl: the
 # cache is allocated with torch.empty, so pages nobody touches cost no RAM.
 DEFAULT_CPU_KV_CACHE_GB = 2.0
@@ -27,6 +28,8 @@ class EngineConfig:
       comes from kv_cache_gb on CPU or gpu_memory_utilization on CUDA.
     - max_num_batched_tokens: token budget of one engine step (prefill chunks + decodes).
     - max_model_len: longest sequence (prompt + output); defaults to the model's n_positions.
+    - attention_backend: "torch" (CPU path), "triton" (the kernels; on CPU only under the
+      Triton interpreter, for tests) or "auto"; enforce_eager disables CUDA graphs.
     """
 
     model: str
@@ -41,6 +44,8 @@ class EngineConfig:
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -67,6 +72,11 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
             )
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(_DTYPES)}, got {self.dtype!r}")
 
@@ -75,6 +85,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def backend_name(self) -> str:
+        """ "triton" on CUDA and "torch" elsewhere, unless one is named."""
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention_backend
 
     @property
     def torch_dtype(self) -> torch.dtype:

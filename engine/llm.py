@@ -34,6 +34,8 @@ class LLM:
         load_format: str = "auto",
         kv_cache_gb: float | None = None,
         seed: int = 0,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
     ):
         config = EngineConfig(
             model=model,
@@ -47,6 +49,8 @@ class LLM:
             max_model_len=max_model_len,
             load_format=load_format,
             seed=seed,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 from engine.beam_search import BeamState
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
@@ -47,6 +50,18 @@ class EngineStats:
     num_generation_tokens: int
 
 
+def make_backend(config: EngineConfig) -> AttentionBackend:
+    """The configured attention backend; triton on CPU needs the Triton interpreter."""
+    if config.backend_name == "torch":
+        return TorchAttentionBackend()
+    if config.torch_device.type != "cuda" and not kernels.interpreter_active():
+        raise ValueError(
+            "attention_backend='triton' needs CUDA, or on CPU the Triton "
+            "interpreter (TRITON_INTERPRET=1 set before the engine is imported)"
+        )
+    return TritonAttentionBackend()
+
+
 class LLMEngine:
     """Owns model, KV cache, scheduler and sampler; `step()` advances every running request.
 
@@ -58,7 +73,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device
         dtype = config.torch_dtype
-        backend = TorchAttentionBackend()
+        backend = make_backend(config)
         if config.block_size < backend.min_block_size:
             raise ValueError(
                 f"block_size must be >= {backend.min_block_size} for the "

@@ -49,16 +49,11 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * model_config.n_layer * block_size * model_config.n_embd * element
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: copies whole blocks src -> dst in every layer, K and V."""
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if output.blocks_to_copy:
-            self.copy_blocks(output.blocks_to_copy)
+            # Before any store_kv of this step: a copy must see the block as it was.
+            self.backend.copy_blocks(self.kv_cache, self._tensor(output.blocks_to_copy, torch.long))
         input_ids, positions, slots = [], [], []
         seq_lens, query_lens, tables = [], [], []
         sample_rows: list[int] = []

@@ -1,0 +1,10 @@
+"""Triton kernels over the paged KV cache, each with a plain-torch `*_ref` twin."""
+
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.store_kv import _store_kv_kernel
+
+
+def interpreter_active() -> bool:
+    """True when the kernels were decorated under TRITON_INTERPRET=1 (they run on CPU)."""
+    return isinstance(_store_kv_kernel, InterpretedFunction)

@@ -49,6 +49,10 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    group.add_argument(
+        "--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -65,6 +69,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         load_format=args.load_format,
         seed=args.seed,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

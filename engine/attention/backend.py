@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.copy_blocks import copy_blocks_ref
+
 
 @dataclass
 class AttentionMetadata:
@@ -29,6 +31,8 @@ class AttentionMetadata:
     block_size: int
     seq_lens_host: list[int]
     query_lens_host: list[int]
+    # Split-KV factor for decode batches; None lets the kernel choose (CUDA graphs fix it).
+    decode_num_splits: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -46,6 +50,11 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Per-step precomputation shared by all layers; returns the metadata `forward` takes."""
         return metadata
+
+    def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        """Copy-on-write: kv_cache[:, :, dst] = kv_cache[:, :, src] for each (src, dst) row of
+        the int64 [num_pairs, 2] block_mapping, all layers, K and V."""
+        copy_blocks_ref(kv_cache, block_mapping)
 
     @abstractmethod
     def forward(

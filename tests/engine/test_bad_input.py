@@ -89,6 +89,7 @@ def test_llm_generate_validates_all_prompts_before_running_any(tiny_model_dir):
         ({"num_blocks": 3}, "num_blocks"),
         ({"dtype": "int8"}, "dtype"),
         ({"load_format": "pt"}, "load_format"),
+        ({"attention_backend": "flash"}, "attention_backend"),
     ],
 )
 def test_bad_engine_config_is_refused_by_name(tiny_model_dir, kwargs, name):

@@ -170,10 +170,10 @@ def test_beam_params_are_validated():
 
 
 def test_an_aborted_beam_search_reports_its_live_beams(eos_model_dir):
-    engine = LLMEngine(EngineConfig(model=eos_model_dir, device="cpu", num_blocks=256,
-                                    block_size=4))
-    params = BeamSearchParams(beam_width=3, max_tokens=30, num_return_sequences=2,
-                              ignore_eos=True)
+    engine = LLMEngine(
+        EngineConfig(model=eos_model_dir, device="cpu", num_blocks=256, block_size=4)
+    )
+    params = BeamSearchParams(beam_width=3, max_tokens=30, num_return_sequences=2, ignore_eos=True)
     engine.add_request("r", [5, 6, 7], params)
     for _ in range(4):
         engine.step()
