@@ -15,7 +15,8 @@ from engine.beam_search import BeamState
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from engine.errors import ParameterError
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, profile_activation_bytes
+from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.weights import load_model
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
@@ -93,7 +94,7 @@ class LLMEngine:
                 f"n_positions ({n_positions})"
             )
 
-        num_blocks = config.num_blocks or self._default_num_blocks(dtype)
+        num_blocks = config.num_blocks or self._default_num_blocks(loaded.model, backend, dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         needed = self.block_manager.num_blocks_for_tokens(self.max_model_len)
         if needed > self.block_manager.num_usable_blocks:
@@ -118,13 +119,24 @@ class LLMEngine:
             self.device,
             dtype,
         )
+        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}
 
-    def _default_num_blocks(self, dtype: torch.dtype) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, dtype)
+    def _default_num_blocks(
+        self, model: GPT2LMHeadModel, backend: AttentionBackend, dtype: torch.dtype
+    ) -> int:
+        """CPU: kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use
+        (weights) and what the largest step needs on top (profiled with a dummy step)."""
+        config = self.config
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, dtype)
         if self.device.type == "cuda":
+            activation = profile_activation_bytes(
+                model, backend, config.max_num_batched_tokens, config.max_num_seqs,
+                self.max_model_len, config.block_size,
+            )  # fmt: skip
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
+            budget = total * config.gpu_memory_utilization - (total - free) - activation
         else:
             budget = (self.config.kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * _GIB
         return max(int(budget // per_block), 2)

@@ -1,0 +1,95 @@
+"""The kernels at real GPT-2 sizes on a GPU: fp16 and bf16, long contexts, int64 addressing."""
+
+import pytest
+import torch
+
+from kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from kernels.paged_attention import paged_attention, paged_attention_ref
+from kernels.store_kv import store_kv, store_kv_ref
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIM = 64
+BLOCK_SIZE = 16
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def far_batch(num_heads, query_lens, seq_lens, dtype, num_blocks):
+    """A batch whose blocks sit at the top of a cache so large that element offsets pass
+    2**31: any int32 address arithmetic would wrap."""
+    device = "cuda"
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (num_blocks, BLOCK_SIZE, num_heads, HEAD_DIM)
+    k_cache = torch.empty(shape, dtype=dtype, device=device)
+    v_cache = torch.empty(shape, dtype=dtype, device=device)
+    per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    top = torch.arange(num_blocks - sum(per_seq), num_blocks, device=device)
+    ids = top[torch.randperm(top.numel(), device=device, generator=generator)]
+    k_cache[ids] = torch.randn(
+        (ids.numel(), *shape[1:]), generator=generator, device=device, dtype=dtype
+    )
+    v_cache[ids] = torch.randn(
+        (ids.numel(), *shape[1:]), generator=generator, device=device, dtype=dtype
+    )
+    tables, start = [], 0
+    for count in per_seq:
+        tables.append(ids[start : start + count].tolist())
+        start += count
+    width = max(per_seq)
+    block_tables = torch.tensor(
+        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+    )
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn((cu[-1], num_heads, HEAD_DIM), generator=generator, device=device, dtype=dtype)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        max(query_lens),
+        max(seq_lens),
+    )
+
+
+@pytest.mark.parametrize("num_heads", [12, 16, 20, 25])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", ["decode", "mixed"])
+def test_paged_attention_real_sizes(num_heads, dtype, shape):
+    num_blocks = max(32768, 2**31 // (BLOCK_SIZE * num_heads * HEAD_DIM) + 64)
+    if shape == "decode":
+        query_lens, seq_lens = [1] * 8, [1, 17, 128, 255, 512, 700, 1000, 1024]
+    else:
+        query_lens, seq_lens = [1, 300, 1, 64, 512], [1024, 300, 40, 900, 1024]
+    args = far_batch(num_heads, query_lens, seq_lens, dtype, num_blocks)
+    scale = HEAD_DIM**-0.5
+    expected = paged_attention_ref(*args, torch.empty_like(args[0]), scale)
+    for splits in [None, 1, 4] if shape == "decode" else [None]:
+        got = paged_attention(*args, torch.empty_like(args[0]), scale, num_splits=splits)
+        torch.testing.assert_close(
+            got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_store_and_copy_real_sizes(dtype):
+    heads, num_blocks = 25, 2**31 // (BLOCK_SIZE * 25 * HEAD_DIM) + 64
+    cache = torch.zeros((num_blocks, BLOCK_SIZE, heads, HEAD_DIM), dtype=dtype, device="cuda")
+    v_cache = torch.zeros_like(cache)
+    fused = torch.randn((300, 3, heads, HEAD_DIM), dtype=dtype, device="cuda")
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:300]
+    slots[::7] = -1
+    expected_k, expected_v = cache.clone(), v_cache.clone()
+    store_kv_ref(fused[:, 1], fused[:, 2], expected_k, expected_v, slots)
+    store_kv(fused[:, 1], fused[:, 2], cache, v_cache, slots)
+    assert torch.equal(cache, expected_k) and torch.equal(v_cache, expected_v)
+    del cache, v_cache, expected_k, expected_v
+    kv = torch.randn((12, 2, 4096, BLOCK_SIZE, 12, HEAD_DIM), dtype=dtype, device="cuda")
+    mapping = torch.tensor([[5, 4000], [17, 9], [4095, 0]], dtype=torch.int64, device="cuda")
+    expected = kv.clone()
+    copy_blocks_ref(expected, mapping)
+    copy_blocks(kv, mapping)
+    assert torch.equal(kv, expected)
