@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -26,7 +27,12 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels.paged_attention import paged_attention
+try:
+    import kernels  # noqa: F401
+except ImportError:  # run as a plain script on a machine without the package installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.paged_attention import paged_attention  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 12, 64, 16
 DTYPE = torch.float16
