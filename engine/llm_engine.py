@@ -228,13 +228,20 @@ class LLMEngine:
                 )
         elif params.logprobs is not None and params.logprobs > vocab:
             raise ParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
+        width = "beam_width" if isinstance(params, BeamSearchParams) else "n"
+        if params.n > self.config.max_num_seqs:
+            raise ParameterError(
+                width,
+                f"{width}={params.n} exceeds max_num_seqs "
+                f"({self.config.max_num_seqs}): its sequences run together",
+            )
         # Each group must fit alone even after a preemption undoes its prompt sharing.
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         blocks = params.n * self.block_manager.num_blocks_for_tokens(longest)
         if blocks > self.block_manager.num_usable_blocks:
             raise ParameterError(
-                "n",
-                f"n={params.n} sequences of up to {longest} tokens need "
+                width,
+                f"{width}={params.n} sequences of up to {longest} tokens need "
                 f"{blocks} KV blocks; the cache has "
                 f"{self.block_manager.num_usable_blocks}",
             )

@@ -158,6 +158,18 @@ def test_block_accounting_of_forking_beams(eos_model_dir, hf_eos):
     assert len(best.token_ids) == 30 and best.finish_reason == "length"
 
 
+def test_beam_requests_that_could_never_run_are_refused(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir, device="cpu", num_blocks=64, block_size=8, max_num_seqs=4
+        )
+    )
+    with pytest.raises(ValueError, match="beam_width"):
+        engine.add_request("wide", [1, 2], BeamSearchParams(beam_width=8, max_tokens=4))
+    with pytest.raises(ValueError, match="beam_width"):  # 4 x 256 tokens > 63 blocks of 8
+        engine.add_request("long", [1] * 200, BeamSearchParams(beam_width=4, max_tokens=56))
+
+
 def test_beam_params_are_validated():
     for kwargs, name in [
         ({"beam_width": 0}, "beam_width"),
