@@ -176,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_serve)
 
+    from benchmarks import load_test
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_commands.add_parser(
+        "serve", parents=[load_test.build_parser(add_help=False)],
+        help="load-test an OpenAI-compatible server (flags as vllm bench serve)",
+    )  # fmt: skip
+    bench_serve.set_defaults(handler=load_test.run)
+
     generate = commands.add_parser("generate", help="complete prompts offline and print them")
     add_engine_args(generate)
     generate.add_argument("prompts", nargs="+", help="prompt text(s)")

@@ -1,0 +1,1 @@
+"""Benchmarks: each module is also a script (see benchmarks/README.md)."""
