@@ -29,7 +29,8 @@ class ChoiceStream:
 
     While a choice runs, the last `holdback` characters of its text are withheld: they could
     be the start of a stop string that a later token completes, and a stop string is cut from
-    the output, so it must never reach the client. Finished choices flush everything.
+    the output, so it must never reach the client. Finished choices flush everything. Every
+    step that produced a token yields a delta, with empty text if nothing is ready to show.
     """
 
     def __init__(self, holdback: int):
@@ -43,9 +44,9 @@ class ChoiceStream:
         text = output.text
         end = len(text) if output.finished else max(len(text) - self.holdback, self.sent_chars)
         new_tokens = output.token_ids[self.sent_tokens :]
-        # Without logprobs a chunk carries only text: nothing new to show, nothing to send.
-        nothing_new = end == self.sent_chars and (not new_tokens or output.logprobs is None)
-        if nothing_new and not output.finished:
+        # A new token is worth a chunk even when its text is held back (as vLLM streams):
+        # clients count tokens and time them by chunks.
+        if end == self.sent_chars and not new_tokens and not output.finished:
             return None
         delta = Delta(
             text=text[self.sent_chars : end],

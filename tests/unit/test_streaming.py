@@ -21,7 +21,8 @@ def test_sse_event_is_one_data_line_and_a_blank_line():
 
 def test_holdback_never_sends_what_a_stop_string_may_cut():
     stream = ChoiceStream(holdback=3)  # longest stop string has 4 characters
-    assert stream.next(output("ab", 1)) is None
+    assert stream.next(output("ab", 1)).text == ""  # a token, but its text may be cut
+    assert stream.next(output("ab", 1)) is None  # nothing new at all
     assert stream.next(output("abcdef", 2)).text == "abc"
     assert stream.next(output("abcdefg", 3)).text == "d"
     # The engine found the stop string starting at "efg..." and cut it: flush what is left.
@@ -31,6 +32,10 @@ def test_holdback_never_sends_what_a_stop_string_may_cut():
 
 def test_without_stop_strings_every_new_character_goes_out_at_once():
     stream = ChoiceStream(holdback=0)
-    deltas = [stream.next(output(t, i + 1)) for i, t in enumerate(["a", "ab", "ab", "abc"])]
-    assert [d.text if d else None for d in deltas] == ["a", "b", None, "c"]
+    deltas = [
+        stream.next(output(t, n))
+        for t, n in [("a", 1), ("ab", 2), ("ab", 3), ("ab", 3), ("abc", 4)]
+    ]
+    # The third token completes no character yet: a chunk with empty text; then nothing new.
+    assert [d.text if d else None for d in deltas] == ["a", "b", "", None, "c"]
     assert stream.next(output("abc", 5, "length")).text == ""
