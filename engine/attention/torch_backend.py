@@ -27,33 +27,22 @@ class SequenceSlice:
 
 
 @dataclass
-class DecodeBatch:
-    """Single-query sequences that all have `seq_len` keys: one unmasked SDPA call serves
-    them all (beams of a group, or requests admitted together, often line up)."""
-
-    rows: torch.Tensor  # int64 [b]: their query rows
-    key_slots: torch.Tensor  # int64 [b * seq_len]: cache slots of their keys, row-major
-    seq_len: int
-
-
-@dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    """Adds the gather plan, computed once per step for all layers."""
+    """Adds the per-sequence gather plan, computed once per step for all layers."""
 
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
     store_slots: torch.Tensor | None = None
-    decodes: list[DecodeBatch] | None = None
     sequences: list[SequenceSlice] | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Gathers each sequence's K/V through its block table and calls SDPA per sequence.
 
-    Decodes are batched by key length: unpadded, unmasked SDPA calls are several times
-    faster on CPU than one padded, masked call for the whole batch (the masked path falls
-    back to unfused math, and padding copies keys nobody reads). A prefill without context
-    attends to its own fresh keys with a causal mask; one with context (a later chunk, a
-    recompute) gathers its keys from the cache and masks in absolute positions.
+    One unpadded, unmasked SDPA call per decode is several times faster on CPU than one
+    padded, masked call for the whole batch (the masked path falls back to unfused math, and
+    padding copies keys nobody reads). A prefill without context attends to its own fresh
+    keys with a causal mask; one with context (a later chunk, a recompute) gathers its keys
+    from the cache and masks in absolute positions.
     """
 
     name = "torch"
@@ -61,23 +50,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
         fields = {f: getattr(metadata, f) for f in AttentionMetadata.__dataclass_fields__}
-        out = TorchAttentionMetadata(
-            **fields, store_slots=metadata.slot_mapping, decodes=[], sequences=[]
-        )
+        out = TorchAttentionMetadata(**fields, store_slots=metadata.slot_mapping, sequences=[])
         if bool((metadata.slot_mapping < 0).any()):
             out.store_rows = (metadata.slot_mapping >= 0).nonzero().squeeze(1)
             out.store_slots = metadata.slot_mapping[out.store_rows]
         key_slots = self._key_slots(metadata)
         device = metadata.slot_mapping.device
-        decodes_by_len: dict[int, list[tuple[int, int]]] = {}  # seq_len -> (row, seq index)
         start = 0
         for i, (q_len, seq_len) in enumerate(
             zip(metadata.query_lens_host, metadata.seq_lens_host, strict=True)
         ):
-            if q_len == 1:
-                decodes_by_len.setdefault(seq_len, []).append((start, i))
-                start += 1
-                continue
             context = seq_len - q_len
             slots = mask = None
             if context:
@@ -88,11 +70,6 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = keys[None, :] <= queries[:, None]
             out.sequences.append(SequenceSlice(start, start + q_len, slots, mask))
             start += q_len
-        for seq_len, members in decodes_by_len.items():
-            rows = torch.tensor([row for row, _ in members], device=device)
-            seqs = torch.tensor([i for _, i in members], device=device)
-            slots = key_slots[seqs, :seq_len].reshape(-1)
-            out.decodes.append(DecodeBatch(rows, slots, seq_len))
         return out
 
     @staticmethod
@@ -122,13 +99,6 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, metadata.store_slots, k_new)
         v_flat.index_copy_(0, metadata.store_slots, v_new)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for d in metadata.decodes:
-            shape = (d.rows.shape[0], d.seq_len, num_heads, head_dim)
-            keys = k_flat.index_select(0, d.key_slots).view(shape).transpose(1, 2)
-            values = v_flat.index_select(0, d.key_slots).view(shape).transpose(1, 2)
-            query = q.index_select(0, d.rows).unsqueeze(2)  # [b, H, 1, D]
-            o = F.scaled_dot_product_attention(query, keys, values, scale=scale)
-            out[d.rows] = o.squeeze(2)
         for s in metadata.sequences:
             query = q[s.start : s.end].transpose(0, 1)  # [H, q_len, D]
             if s.key_slots is None:
