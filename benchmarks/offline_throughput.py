@@ -136,14 +136,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-positions", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Octavo and HF CB batch cap")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="per-step token budget of Octavo and HF CB")
-    p.add_argument("--kv-cache-gb", type=float, default=2.0,
-                   help="Octavo's KV cache size (HF CB's cache is sized to the workload)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs per system; the median is reported (all are kept)")
-    p.add_argument("--greedy-check", type=int, default=4,
-                   help="how many leading requests to compare between Octavo and hf_static")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="per-step token budget of Octavo and HF CB",
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=2.0,
+        help="Octavo's KV cache size (HF CB's cache is sized to the workload)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per system; the median is reported (all are kept)",
+    )
+    p.add_argument(
+        "--greedy-check",
+        type=int,
+        default=4,
+        help="how many leading requests to compare between Octavo and hf_static",
+    )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
     p.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
@@ -231,14 +247,16 @@ def synchronize(device: str) -> None:
 
 
 def run_octavo(llm: LLM, workload: Workload) -> list[list[int]]:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-              for n in workload.output_lens]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
+    ]
     outs = llm.generate(workload.prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def run_hf_static(model: GPT2LMHeadModel, workload: Workload, batch_size: int,
-                  device: str) -> list[list[int]]:
+def run_hf_static(
+    model: GPT2LMHeadModel, workload: Workload, batch_size: int, device: str
+) -> list[list[int]]:
     """Static batches in request order, left padded; each request keeps its own length."""
     outputs: list[list[int]] = []
     for start in range(0, workload.num_requests, batch_size):
@@ -257,8 +275,9 @@ def run_hf_static(model: GPT2LMHeadModel, workload: Workload, batch_size: int,
             pad_token_id=PAD_TOKEN_ID,
         )
         if generated.shape[1] != width + max_new:
-            raise RuntimeError(f"HF generate stopped early: {generated.shape[1] - width} of "
-                               f"{max_new} new tokens")
+            raise RuntimeError(
+                f"HF generate stopped early: {generated.shape[1] - width} of {max_new} new tokens"
+            )
         rows = generated[:, width:].tolist()
         outputs.extend(row[:n] for row, n in zip(rows, lens, strict=True))
     return outputs
@@ -280,8 +299,10 @@ def hf_cb_config(args: argparse.Namespace, workload: Workload) -> ContinuousBatc
     mask of max_batch_tokens x (cache tokens + max_batch_tokens) and refuses caches whose
     planned footprint exceeds its memory estimate, so it cannot take Octavo's lazily allocated
     --kv-cache-gb: the cache is sized to the workload instead (plus one spare block)."""
-    blocks = sum(math.ceil((len(p) + n) / HF_CB_PAGE_SIZE)
-                 for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+    blocks = sum(
+        math.ceil((len(p) + n) / HF_CB_PAGE_SIZE)
+        for p, n in zip(workload.prompts, workload.output_lens, strict=True)
+    )
     return ContinuousBatchingConfig(
         page_size=HF_CB_PAGE_SIZE,
         num_blocks=blocks + 1,
@@ -290,8 +311,9 @@ def hf_cb_config(args: argparse.Namespace, workload: Workload) -> ContinuousBatc
     )
 
 
-def run_hf_cb_requests(manager: ContinuousBatchingManager, workload: Workload,
-                       tag: str) -> list[list[int]]:
+def run_hf_cb_requests(
+    manager: ContinuousBatchingManager, workload: Workload, tag: str
+) -> list[list[int]]:
     """Adds every request with its own max_new_tokens and waits for all of them."""
     ids = [f"{tag}_{i}" for i in range(workload.num_requests)]
     for request_id, prompt, n in zip(ids, workload.prompts, workload.output_lens, strict=True):
@@ -313,8 +335,9 @@ def run_hf_cb_requests(manager: ContinuousBatchingManager, workload: Workload,
 # -- timing and reporting -------------------------------------------------------------------
 
 
-def timed(fn: Callable[[int], list[list[int]]], device: str,
-          repeats: int) -> tuple[list[float], list[list[int]]]:
+def timed(
+    fn: Callable[[int], list[list[int]]], device: str, repeats: int
+) -> tuple[list[float], list[list[int]]]:
     """Runs fn(repeat_index) `repeats` times; returns every wall time and the last outputs."""
     walls, outputs = [], []
     for i in range(repeats):
@@ -326,8 +349,13 @@ def timed(fn: Callable[[int], list[list[int]]], device: str,
     return walls, outputs
 
 
-def finish(result: SystemResult, walls: list[float], outputs: list[list[int]],
-           workload: Workload, tokens_processed: int) -> SystemResult:
+def finish(
+    result: SystemResult,
+    walls: list[float],
+    outputs: list[list[int]],
+    workload: Workload,
+    tokens_processed: int,
+) -> SystemResult:
     got = [len(o) for o in outputs]
     if got != workload.output_lens:
         bad = sum(g != w for g, w in zip(got, workload.output_lens, strict=True))
@@ -342,13 +370,23 @@ def finish(result: SystemResult, walls: list[float], outputs: list[list[int]],
 
 
 def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> SystemResult:
-    result = SystemResult("octavo", notes=(
-        "LLM.generate with all requests at once, per-request max_tokens, ignore_eos=True; "
-        f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
-        f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}."))
-    llm = LLM(model=str(folder), dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_gb=args.kv_cache_gb, seed=args.seed)
+    result = SystemResult(
+        "octavo",
+        notes=(
+            "LLM.generate with all requests at once, per-request max_tokens, ignore_eos=True; "
+            f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
+            f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}."
+        ),
+    )
+    llm = LLM(
+        model=str(folder),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_gb=args.kv_cache_gb,
+        seed=args.seed,
+    )
     run_octavo(llm, warmup_workload(workload))
     walls, outputs = timed(lambda _: run_octavo(llm, workload), args.device, args.repeats)
     preemptions = llm.engine.stats().num_preemptions
@@ -356,45 +394,68 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
     return finish(result, walls, outputs, workload, workload.prompt_tokens + workload.output_tokens)
 
 
-def bench_hf_static(args: argparse.Namespace, model: GPT2LMHeadModel,
-                    workload: Workload) -> SystemResult:
-    result = SystemResult("hf_static", notes=(
-        f"model.generate on static batches of {args.batch_size} in request order, left padded "
-        "with attention_mask, max_new_tokens = longest output in the batch, do_sample=False, "
-        "eos_token_id=None (never stops early; checked from the output shape). "
-        "total_tokens_processed counts padding and wasted tokens."))
+def bench_hf_static(
+    args: argparse.Namespace, model: GPT2LMHeadModel, workload: Workload
+) -> SystemResult:
+    result = SystemResult(
+        "hf_static",
+        notes=(
+            f"model.generate on static batches of {args.batch_size} in request order, left padded "
+            "with attention_mask, max_new_tokens = longest output in the batch, do_sample=False, "
+            "eos_token_id=None (never stops early; checked from the output shape). "
+            "total_tokens_processed counts padding and wasted tokens."
+        ),
+    )
     run_hf_static(model, warmup_workload(workload), args.batch_size, args.device)
-    walls, outputs = timed(lambda _: run_hf_static(model, workload, args.batch_size, args.device),
-                           args.device, args.repeats)
-    return finish(result, walls, outputs, workload,
-                  hf_static_tokens_processed(workload, args.batch_size))
+    walls, outputs = timed(
+        lambda _: run_hf_static(model, workload, args.batch_size, args.device),
+        args.device,
+        args.repeats,
+    )
+    return finish(
+        result, walls, outputs, workload, hf_static_tokens_processed(workload, args.batch_size)
+    )
 
 
-def bench_hf_cb(args: argparse.Namespace, model: GPT2LMHeadModel,
-                workload: Workload) -> SystemResult:
+def bench_hf_cb(
+    args: argparse.Namespace, model: GPT2LMHeadModel, workload: Workload
+) -> SystemResult:
     cb_config = hf_cb_config(args, workload)
-    result = SystemResult("hf_cb", notes=(
-        "transformers continuous batching (the ContinuousBatchingManager behind "
-        "model.generate_batch), attn_implementation='sdpa' on the paged cache; each request "
-        "added with manager.add_request(max_new_tokens=its own length, eos_token_id=-1), so "
-        "every request generates exactly its length. Manager creation, cache allocation and "
-        "warm-up are outside the timing. Config: page_size="
-        f"{cb_config.page_size}, num_blocks={cb_config.num_blocks}, max_batch_tokens="
-        f"{cb_config.max_batch_tokens}, max_requests_per_batch="
-        f"{cb_config.max_requests_per_batch}."))
+    result = SystemResult(
+        "hf_cb",
+        notes=(
+            "transformers continuous batching (the ContinuousBatchingManager behind "
+            "model.generate_batch), attn_implementation='sdpa' on the paged cache; each request "
+            "added with manager.add_request(max_new_tokens=its own length, eos_token_id=-1), so "
+            "every request generates exactly its length. Manager creation, cache allocation and "
+            "warm-up are outside the timing. Config: page_size="
+            f"{cb_config.page_size}, num_blocks={cb_config.num_blocks}, max_batch_tokens="
+            f"{cb_config.max_batch_tokens}, max_requests_per_batch="
+            f"{cb_config.max_requests_per_batch}."
+        ),
+    )
     generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
-        pad_token_id=PAD_TOKEN_ID)
-    hints = WorkloadHints(max_prompt_length=max(len(p) for p in workload.prompts),
-                          max_generated_length=max(workload.output_lens),
-                          num_requests=workload.num_requests)
+        do_sample=False,
+        max_new_tokens=max(workload.output_lens),
+        eos_token_id=-1,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in workload.prompts),
+        max_generated_length=max(workload.output_lens),
+        num_requests=workload.num_requests,
+    )
     with model.continuous_batching_context_manager(
-        generation_config=generation_config, continuous_batching_config=cb_config,
-        block=True, timeout=30, workload_hints=hints,
+        generation_config=generation_config,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
+        workload_hints=hints,
     ) as manager:
         run_hf_cb_requests(manager, warmup_workload(workload), "warmup")
-        walls, outputs = timed(lambda i: run_hf_cb_requests(manager, workload, f"run{i}"),
-                               args.device, args.repeats)
+        walls, outputs = timed(
+            lambda i: run_hf_cb_requests(manager, workload, f"run{i}"), args.device, args.repeats
+        )
     return finish(result, walls, outputs, workload, workload.prompt_tokens + workload.output_tokens)
 
 
@@ -419,8 +480,12 @@ def greedy_match(octavo: SystemResult, reference: SystemResult, count: int) -> d
         a, b = octavo.outputs[i], reference.outputs[i]
         diff = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         first_diff.append(diff)
-    return {"compared": n, "matched": sum(matches), "reference": reference.name,
-            "first_mismatch_position": first_diff}
+    return {
+        "compared": n,
+        "matched": sum(matches),
+        "reference": reference.name,
+        "first_mismatch_position": first_diff,
+    }
 
 
 def ratio(a: SystemResult, b: SystemResult | None) -> float | None:
@@ -430,26 +495,33 @@ def ratio(a: SystemResult, b: SystemResult | None) -> float | None:
 
 
 def print_table(results: list[SystemResult]) -> None:
-    header = (f"{'system':<10} {'wall s':>9} {'useful tok':>11} {'useful tok/s':>13} "
-              f"{'processed':>10}")
+    header = (
+        f"{'system':<10} {'wall s':>9} {'useful tok':>11} {'useful tok/s':>13} {'processed':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         if r.error is not None:
             print(f"{r.name:<10} ERROR: {r.error}")
             continue
-        print(f"{r.name:<10} {r.wall_s:>9.2f} {r.useful_output_tokens:>11} "
-              f"{r.useful_output_tokens_per_s:>13.1f} {r.total_tokens_processed:>10}")
+        print(
+            f"{r.name:<10} {r.wall_s:>9.2f} {r.useful_output_tokens:>11} "
+            f"{r.useful_output_tokens_per_s:>13.1f} {r.total_tokens_processed:>10}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                             args.vocab, args.seed)
-    print(f"[offline_throughput] {workload.num_requests} requests, {workload.prompt_tokens} "
-          f"prompt + {workload.output_tokens} output tokens; torch threads "
-          f"{torch.get_num_threads()}", flush=True)
+    workload = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.vocab, args.seed
+    )
+    print(
+        f"[offline_throughput] {workload.num_requests} requests, {workload.prompt_tokens} "
+        f"prompt + {workload.output_tokens} output tokens; torch threads "
+        f"{torch.get_num_threads()}",
+        flush=True,
+    )
     results: dict[str, SystemResult] = {}
     with tempfile.TemporaryDirectory(prefix="octavo_bench_") as tmp:
         folder = Path(tmp)
@@ -460,19 +532,24 @@ def main(argv: list[str] | None = None) -> int:
             hf_model = load_hf_model(folder, args.device, DTYPES[args.dtype])
         if not args.skip_hf_static:
             results["hf_static"] = guarded(
-                "hf_static", lambda: bench_hf_static(args, hf_model, workload))
+                "hf_static", lambda: bench_hf_static(args, hf_model, workload)
+            )
         if not args.skip_hf_cb:
-            results["hf_cb"] = guarded(
-                "hf_cb", lambda: bench_hf_cb(args, hf_model, workload))
+            results["hf_cb"] = guarded("hf_cb", lambda: bench_hf_cb(args, hf_model, workload))
 
     octavo = results["octavo"]
     report = {
         "benchmark": "offline_throughput",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(args.device),
-        "model": {"n_layer": args.layers, "n_embd": args.hidden, "n_head": args.heads,
-                  "vocab_size": args.vocab, "n_positions": args.n_positions,
-                  "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})"},
+        "model": {
+            "n_layer": args.layers,
+            "n_embd": args.hidden,
+            "n_head": args.heads,
+            "vocab_size": args.vocab,
+            "n_positions": args.n_positions,
+            "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})",
+        },
         "workload": {
             "num_requests": workload.num_requests,
             "prompt_len_range": list(args.prompt_len),
