@@ -66,7 +66,6 @@ class CUDAGraphRunner:
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
             max_seqlen_q=1,
             max_seqlen_k=self.max_model_len,
-            num_decodes=size,
             block_size=self.block_size,
             seq_lens_host=[],
             query_lens_host=[],

@@ -36,7 +36,6 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence]
     blocks_to_copy: list[tuple[int, int]]
-    num_batched_tokens: int
     preempted: list[SequenceGroup] = field(default_factory=list)
 
     @property
@@ -148,7 +147,6 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             blocks_to_copy=self.block_manager.take_copies(),
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted=preempted,
         )
 

@@ -27,7 +27,6 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    num_decodes: int
     block_size: int
     seq_lens_host: list[int]
     query_lens_host: list[int]

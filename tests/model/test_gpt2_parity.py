@@ -44,7 +44,6 @@ def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -
             cu_seqlens_q=torch.tensor([0, chunk], dtype=torch.int32),
             max_seqlen_q=chunk,
             max_seqlen_k=end,
-            num_decodes=int(chunk == 1),
             block_size=block_size,
             seq_lens_host=[end],
             query_lens_host=[chunk],
