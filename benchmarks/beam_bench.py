@@ -70,7 +70,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -89,17 +88,22 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
+from benchmarks.common import (  # noqa: E402
+    PAD_TOKEN_ID,
+    load_hf_model,
+    machine_info,
+    synchronize,
+    write_checkpoint,
+)
 from engine import LLM, BeamSearchParams
 from engine.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULT_FILE = REPO_ROOT / "benchmarks" / "results" / "beam_bench_cpu.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PAD_TOKEN_ID = 0  # never used as padding here (equal-length prompts); HF wants one set
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 4
@@ -220,55 +224,6 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int)
     return [[rng.randrange(vocab_size - 1) for _ in range(prompt_len)] for _ in range(num_requests)]
 
 
-def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
-    """Writes a dummy-weight GPT-2 as a Hugging Face folder (lm_head tied, not stored)."""
-    eos = args.vocab - 1  # never stops anything: both systems ignore EOS
-    config = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=args.n_positions,
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=args.heads,
-        bos_token_id=eos,
-        eos_token_id=eos,
-    )
-    torch.manual_seed(args.seed)
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    return config
-
-
-def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
-    model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    model.generation_config.eos_token_id = None  # EOS must never end a sequence
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model.to(device).eval()
-
-
-def machine_info(device: str) -> dict:
-    model_name = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-                break
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    info = {
-        "cpu_model": model_name,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
 def code_version() -> dict:
     """The checkout benchmarked: HEAD and whether engine/ or kernels/ differ from it."""
 
@@ -285,11 +240,6 @@ def code_version() -> dict:
         "git_commit": git("rev-parse", "HEAD"),
         "engine_modified": None if status is None else bool(status),
     }
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(

@@ -41,11 +41,8 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,17 +58,22 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import transformers
-from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2Config, GPT2LMHeadModel
+from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+from benchmarks.common import (  # noqa: E402
+    PAD_TOKEN_ID,
+    load_hf_model,
+    machine_info,
+    synchronize,
+    write_checkpoint,
+)
 from engine import LLM, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULT_FILE = REPO_ROOT / "benchmarks" / "results" / "offline_throughput_cpu.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PAD_TOKEN_ID = 0  # any id works: padded positions are masked out
 HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16
@@ -189,61 +191,7 @@ def warmup_workload(workload: Workload) -> Workload:
     return Workload(prompts, [WARMUP_OUTPUT_LEN] * n)
 
 
-def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
-    """Writes a dummy-weight GPT-2 as a Hugging Face folder (lm_head tied, not stored)."""
-    eos = args.vocab - 1  # never stops anything: every system ignores EOS
-    config = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=args.n_positions,
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=args.heads,
-        bos_token_id=eos,
-        eos_token_id=eos,
-    )
-    torch.manual_seed(args.seed)
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    return config
-
-
-def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
-    model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    model.generation_config.eos_token_id = None  # EOS must never end a sequence
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model.to(device).eval()
-
-
-def machine_info(device: str) -> dict:
-    model_name = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-                break
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    info = {
-        "cpu_model": model_name,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
 # -- the systems ----------------------------------------------------------------------------
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run_octavo(llm: LLM, workload: Workload) -> list[list[int]]:

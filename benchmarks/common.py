@@ -1,0 +1,72 @@
+"""What the offline benchmarks share: the dummy model, the HF peer, the machine's description."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+
+# HF wants a pad id; padded positions are masked out (or there is no padding at all).
+PAD_TOKEN_ID = 0
+
+
+def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
+    """Writes a dummy-weight GPT-2 (args: vocab, n_positions, hidden, layers, heads, seed) as a
+    Hugging Face folder, so every system runs the very same weights (lm_head tied)."""
+    eos = args.vocab - 1  # never stops anything: every system ignores EOS
+    config = GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=args.n_positions,
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    torch.manual_seed(args.seed)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return config
+
+
+def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
+    model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # EOS must never end a sequence
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model.to(device).eval()
+
+
+def machine_info(device: str) -> dict:
+    """CPU model (from lscpu), cores, threads, versions, and the GPU's name on CUDA."""
+    model_name = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    info = {
+        "cpu_model": model_name,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
