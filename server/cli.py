@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import uvicorn
 
 from engine.async_engine import AsyncEngine
@@ -105,7 +106,13 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)), args.max_num_waiting)
+    engine_config = engine_config_from_args(args)
+    if engine_config.torch_device.type == "cpu":
+        # The HTTP event loop (JSON and SSE for every token) needs a core of its own: with
+        # every core in torch's pool the two contend, and on 2 cores serving throughput drops
+        # by about a quarter (measured with `octavo bench serve`, benchmarks/README.md).
+        torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 2) - 1))
+    engine = AsyncEngine(LLMEngine(engine_config), args.max_num_waiting)
     name = args.served_model_name or (
         DEFAULT_MODEL_NAME if Path(args.model) == DEFAULT_MODEL else args.model
     )
@@ -170,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="on SIGTERM, time in-flight requests get before being aborted",
+    )
+    serve.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model (default: all cores but one)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
