@@ -118,10 +118,6 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    @property
-    def has_filters(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
 
 @dataclass
 class BeamSearchParams:
