@@ -38,7 +38,6 @@ class BeamState:
     slots: list[Hypothesis | None] = field(default_factory=list)  # beam_width, best first
     slot_scores: torch.Tensor | None = None  # float32 [beam_width], NEG_INF_SCORE if empty
     heuristic_unsatisfied: bool = True
-    done: bool = False
 
     @classmethod
     def create(
@@ -108,8 +107,7 @@ class BeamSearch:
             beams,
             [(parents[i], tokens[i], logprobs[parents[i], tokens[i]]) for i in next_index],
         )
-        state.done = self._is_done(state, generated + 1, bool(hits.all()))
-        if state.done:
+        if self._is_done(state, generated + 1, bool(hits.all())):
             self._finish_group(group)
 
     def _greedy_step(
@@ -129,7 +127,6 @@ class BeamSearch:
                 score,
                 "stop" if stopped else "length",
             )
-            state.done = True
             self._finish_group(group)
 
     def _finish_candidates(
