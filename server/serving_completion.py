@@ -229,15 +229,8 @@ class CompletionServing:
                 if request.echo:
                     text = self._prompt_text(final) + text
                 delta = Delta(completion.text, completion.token_ids, completion.logprobs, 0)
-                choices.append(
-                    CompletionChoice(
-                        index=index * request.n + completion.index,
-                        text=text,
-                        logprobs=self._logprobs(delta) if request.logprobs is not None else None,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
-                )
+                choice_index = index * request.n + completion.index
+                choices.append(self._choice(choice_index, text, delta, completion, request))
         return CompletionResponse(
             id=request_id,
             model=self.config.served_model_name,

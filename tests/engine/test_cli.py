@@ -6,24 +6,26 @@ import sys
 from engine import LLM, SamplingParams
 
 
-def test_octavo_generate_prints_the_greedy_completion(tiny_model_dir):
+def octavo_generate(model_dir: str, *flags: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
         "server",
         "generate",
         "--model",
-        tiny_model_dir,
+        model_dir,
         "--device",
         "cpu",
         "--num-blocks",
         "64",
-        "--max-tokens",
-        "12",
-        "--ignore-eos",
-        "The class",
+        *flags,
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_octavo_generate_prints_the_greedy_completion(tiny_model_dir):
+    result = octavo_generate(tiny_model_dir, "--max-tokens", "12", "--ignore-eos", "The class")
+    assert result.returncode == 0, result.stderr
     llm = LLM(model=tiny_model_dir, device="cpu", num_blocks=64)
     expected = llm.generate(
         "The class", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
@@ -35,21 +37,6 @@ def test_octavo_generate_prints_the_greedy_completion(tiny_model_dir):
 
 
 def test_octavo_generate_reports_bad_input_without_a_traceback(tiny_model_dir):
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
-        "generate",
-        "--model",
-        tiny_model_dir,
-        "--device",
-        "cpu",
-        "--num-blocks",
-        "64",
-        "--max-tokens",
-        "0",
-        "hi",
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    result = octavo_generate(tiny_model_dir, "--max-tokens", "0", "hi")
     assert result.returncode == 2
     assert "max_tokens" in result.stderr and "Traceback" not in result.stderr
