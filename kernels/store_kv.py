@@ -22,23 +22,29 @@ def _store_kv_kernel(
     cache_stride_s,
     cache_stride_h,
     block_size,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One program per token moves all its heads: a [BLOCK_H, BLOCK_D] tile is wide enough
+    for 16-byte accesses (one program per head would give each thread under one element)."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
     # A slot of -1 is padding (a CUDA-graph batch slot): load and store nothing.
-    mask = (dims < HEAD_DIM) & (slot >= 0)
-    safe_slot = tl.maximum(slot, 0)
-    block = safe_slot // block_size
-    offset = safe_slot % block_size
-    key = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + dims, mask=mask)
-    value = tl.load(value_ptr + token * value_stride_t + head * value_stride_h + dims, mask=mask)
-    dst = block * cache_stride_b + offset * cache_stride_s + head * cache_stride_h + dims
-    tl.store(k_cache_ptr + dst, key, mask=mask)
-    tl.store(v_cache_ptr + dst, value, mask=mask)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
+        key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
+        value = tl.load(
+            value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask
+        )
+        block = slot // block_size
+        offset = slot % block_size
+        dst = block * cache_stride_b + offset * cache_stride_s + heads * cache_stride_h + dims
+        tl.store(k_cache_ptr + dst, key, mask=mask)
+        tl.store(v_cache_ptr + dst, value, mask=mask)
 
 
 def store_kv(
@@ -71,12 +77,13 @@ def store_kv(
         raise ValueError(f"dtype mismatch: key {key.dtype}, cache {k_cache.dtype}")
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens, num_heads)](
+    _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
 
 
