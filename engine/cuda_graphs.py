@@ -6,10 +6,14 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.models.gpt2 import GPT2LMHeadModel
-from kernels.paged_attention import choose_num_splits
+from kernels.paged_attention import choose_num_splits, num_sms
 
 # Captured batch sizes: small powers of two, then every multiple of this step.
 _BUCKET_STEP = 16
+# What a padding row holds: no store (slot -1), one key (seq_len 1) from the null block 0.
+PAD_SLOT = -1
+PAD_SEQ_LEN = 1
+NULL_BLOCK = 0
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
@@ -19,14 +23,114 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return [*buckets, max_batch_size]
 
 
-class CUDAGraphRunner:
-    """Captures one decode step (forward + logits of every row) per batch-size bucket.
+class DecodeInputBuffers:
+    """Static device buffers holding a decode batch padded to a bucket size: what a captured
+    graph reads. Works on any device (the padding contract is tested on CPU).
 
-    All inputs live in static device buffers; a step copies its values in and replays the
-    smallest bucket that fits. Padding rows store nothing (slot -1) and attend to one key of
-    the zeroed null block (seq_len 1, block table row of zeros). The split-KV factor of each
-    bucket is fixed at capture for max_model_len; shorter contexts leave splits empty.
+    `load` writes a batch of n sequences and pads it to the smallest bucket b >= n; rows
+    n..b store nothing (slot -1) and attend to one key of the zeroed null block (seq_len 1,
+    block-table row of zeros). Block-table columns past a row's blocks may hold stale ids
+    from an earlier batch: kernels never read past seq_len. The metadata of bucket b is
+    fixed (max_seqlen_k = max_model_len, split-KV factor chosen for it), so one graph per
+    bucket serves every context length; shorter contexts leave trailing splits empty.
     """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_model_len: int,
+        block_size: int,
+        num_heads: int,
+        device: torch.device,
+    ):
+        self.buckets = batch_size_buckets(max_batch_size)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_heads = num_heads
+        self.num_sms = num_sms(device)
+        largest = self.buckets[-1]
+        max_blocks = -(-max_model_len // block_size)
+        # input_ids, positions, slot_mapping: one buffer, so one host-to-device copy.
+        self.tokens = torch.zeros((3, largest), dtype=torch.long, device=device)
+        self.tokens[2].fill_(PAD_SLOT)
+        self.seq_lens = torch.full((largest,), PAD_SEQ_LEN, dtype=torch.int32, device=device)
+        self.block_tables = torch.full(
+            (largest, max_blocks), NULL_BLOCK, dtype=torch.int32, device=device
+        )
+        self.cu_seqlens_q = torch.arange(largest + 1, dtype=torch.int32, device=device)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, num_seqs: int) -> int:
+        """The smallest bucket holding num_seqs rows (num_seqs <= max_batch_size)."""
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def load(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        seq_lens: list[int],
+    ) -> int:
+        """Writes one decode batch (a token per sequence), padded; returns its bucket size."""
+        n = len(input_ids)
+        size = self.bucket(n)
+        pad = size - n
+        width = max(len(t) for t in tables)
+        tokens = torch.tensor(
+            [input_ids + [0] * pad, positions + [0] * pad, slots + [PAD_SLOT] * pad],
+            dtype=torch.long,
+        )
+        rows = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
+        rows += [[NULL_BLOCK] * width] * pad
+        self.tokens[:, :size].copy_(tokens, non_blocking=True)
+        self.seq_lens[:size].copy_(
+            torch.tensor(seq_lens + [PAD_SEQ_LEN] * pad, dtype=torch.int32), non_blocking=True
+        )
+        self.block_tables[:size, :width].copy_(
+            torch.tensor(rows, dtype=torch.int32), non_blocking=True
+        )
+        return size
+
+    def input_ids(self, size: int) -> torch.Tensor:
+        return self.tokens[0, :size]
+
+    def positions(self, size: int) -> torch.Tensor:
+        return self.tokens[1, :size]
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.tokens[2, :size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_model_len,
+            block_size=self.block_size,
+            seq_lens_host=[],
+            query_lens_host=[],
+            decode_num_splits=choose_num_splits(
+                size, self.num_heads, self.max_model_len, self.num_sms
+            ),
+        )
+
+
+def forward_bucket(
+    model: GPT2LMHeadModel, kv_cache: torch.Tensor, buffers: DecodeInputBuffers, size: int
+) -> torch.Tensor:
+    """Logits [size, vocab] of every row of the bucket in `buffers`: the captured work."""
+    hidden = model(
+        buffers.input_ids(size), buffers.positions(size), kv_cache, buffers.metadata(size)
+    )
+    return model.compute_logits(hidden)
+
+
+class CUDAGraphRunner:
+    """Captures one decode step (forward + logits of every row) per batch-size bucket, all
+    reading DecodeInputBuffers; a step loads its batch and replays its bucket's graph."""
 
     def __init__(
         self,
@@ -38,58 +142,28 @@ class CUDAGraphRunner:
     ):
         self.model = model
         self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.buckets = batch_size_buckets(max_batch_size)
-        device = kv_cache.device
-        largest = self.buckets[-1]
-        max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros((largest, max_blocks), dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.buffers = DecodeInputBuffers(
+            max_batch_size, max_model_len, block_size, model.config.n_head, kv_cache.device
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     @property
     def max_batch_size(self) -> int:
-        return self.buckets[-1]
-
-    def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
-            max_seqlen_q=1,
-            max_seqlen_k=self.max_model_len,
-            block_size=self.block_size,
-            seq_lens_host=[],
-            query_lens_host=[],
-            decode_num_splits=choose_num_splits(
-                size, self.model.config.n_head, self.max_model_len, self.num_sms
-            ),
-        )
-
-    def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.model(
-            self.input_ids[:size], self.positions[:size], self.kv_cache, self._metadata(size)
-        )
-        return self.model.compute_logits(hidden)
+        return self.buffers.max_batch_size
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket, largest first, all sharing one memory pool."""
+        """Captures every bucket, largest first, all sharing one memory pool. The buffers
+        hold padding rows only, so warm-up and capture store nothing in the cache."""
         pool = None
-        for size in reversed(self.buckets):
-            self._forward(size)  # compile and warm up outside the capture
+        for size in reversed(self.buffers.buckets):
+            # Compile the kernels and warm up outside the capture.
+            forward_bucket(self.model, self.kv_cache, self.buffers, size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.logits[size] = forward_bucket(self.model, self.kv_cache, self.buffers, size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -103,21 +177,8 @@ class CUDAGraphRunner:
         tables: list[list[int]],
         seq_lens: list[int],
     ) -> torch.Tensor:
-        """Logits [len(input_ids), vocab] of a decode-only batch (one token per sequence)."""
-        n = len(input_ids)
-        size = next(b for b in self.buckets if b >= n)
-        width = max(len(t) for t in tables)
-        host = torch.zeros((n, width), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n, :width].copy_(host, non_blocking=True)
-        # Padding rows: no store, one key from the null block.
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[n:size].fill_(1)
-        self.block_tables[n:size, 0].zero_()
+        """Logits [len(input_ids), vocab] of a decode-only batch (one token per sequence).
+        The result is a view of graph memory, valid until the next replay."""
+        size = self.buffers.load(input_ids, positions, slots, tables, seq_lens)
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        return self.logits[size][: len(input_ids)]

@@ -189,7 +189,8 @@ def _reduce_splits_kernel(
     )
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere): the split-KV heuristic's input."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
@@ -264,7 +265,7 @@ def paged_attention(
         return out
     if num_tokens != num_seqs:
         raise ValueError("a decode batch (max_seqlen_q == 1) has one token per sequence")
-    splits = num_splits or choose_num_splits(num_seqs, num_heads, max_seqlen_k, _num_sms(q.device))
+    splits = num_splits or choose_num_splits(num_seqs, num_heads, max_seqlen_k, num_sms(q.device))
     partial = (
         torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         if splits > 1

@@ -1,0 +1,97 @@
+"""The padded static decode batch that CUDA graphs replay, checked on CPU: everything of the
+graph path except the capture itself (tested on a GPU in test_gpu_engine)."""
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.cuda_graphs import DecodeInputBuffers, batch_size_buckets, forward_bucket
+from tests.checkpoints import sample_prompts
+from tests.engine.helpers import hf_greedy, run_to_completion
+
+# An H100's multiprocessor count and a long max_model_len: the buckets' fixed split-KV
+# factor is then > 1, as on the GPU.
+H100_SMS = 132
+BUFFER_MAX_MODEL_LEN = 1024
+
+
+class EagerBucketReplay:
+    """CUDAGraphRunner's contract (max_batch_size, run) with each replay done eagerly."""
+
+    def __init__(self, engine: LLMEngine, max_batch_size: int):
+        self.model = engine.runner.model
+        self.kv_cache = engine.runner.kv_cache
+        self.buffers = DecodeInputBuffers(
+            max_batch_size, BUFFER_MAX_MODEL_LEN, engine.config.block_size,
+            self.model.config.n_head, torch.device("cpu"),
+        )  # fmt: skip
+        self.buffers.num_sms = H100_SMS
+        self.replays: list[tuple[int, int]] = []  # (rows, bucket)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.buffers.max_batch_size
+
+    def run(self, input_ids, positions, slots, tables, seq_lens) -> torch.Tensor:
+        size = self.buffers.load(input_ids, positions, slots, tables, seq_lens)
+        self.replays.append((len(input_ids), size))
+        return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: len(input_ids)]
+
+
+def triton_engine(model_dir: str) -> LLMEngine:
+    config = EngineConfig(
+        model=model_dir, device="cpu", num_blocks=96, block_size=8, attention_backend="triton"
+    )
+    return LLMEngine(config)
+
+
+def test_buckets_cover_every_batch_size():
+    assert batch_size_buckets(1) == [1]
+    assert batch_size_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    buckets = batch_size_buckets(256)
+    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 256
+    assert all(b % 16 == 0 for b in buckets[4:])
+
+
+def test_padded_bucket_replay_gives_hf_greedy_tokens(tiny_model_dir, hf_tiny):
+    """Sequences finish one after another, so the decode batch shrinks through buckets 8, 4,
+    2, 1 with padding rows, over buffers holding stale rows and columns of wider batches."""
+    engine = triton_engine(tiny_model_dir)
+    replay = EagerBucketReplay(engine, max_batch_size=8)
+    engine.runner.graphs = replay
+    prompts = sample_prompts(5, 3, 40, hf_tiny.config.vocab_size, seed=3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(5)
+    ]
+    outputs = run_to_completion(engine, prompts, params)
+    for prompt, p, output in zip(prompts, params, outputs, strict=True):
+        assert (
+            output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, p.max_tokens)[: p.max_tokens]
+        )
+    assert {size for _, size in replay.replays} >= {8, 4, 2, 1}
+    assert any(rows < size for rows, size in replay.replays)  # padding rows were replayed
+    assert replay.buffers.metadata(8).decode_num_splits > 1
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_padding_rows_store_nothing(tiny_model_dir, rows):
+    """Only the real rows' slots change; padding rows write nowhere, the null block stays 0."""
+    engine = triton_engine(tiny_model_dir)
+    kv_cache = engine.runner.kv_cache
+    generator = torch.Generator().manual_seed(rows)
+    kv_cache[:, :, 1:] = torch.randn(kv_cache[:, :, 1:].shape, generator=generator)
+    before = kv_cache.clone()
+    buffers = DecodeInputBuffers(8, BUFFER_MAX_MODEL_LEN, 8, 4, torch.device("cpu"))
+    tables = [[1 + 3 * r, 2 + 3 * r, 3 + 3 * r] for r in range(rows)]
+    seq_lens = [17 + r for r in range(rows)]  # the new token lands in each table's 3rd block
+    slots = [t[2] * 8 + (n - 1) % 8 for t, n in zip(tables, seq_lens, strict=True)]
+    size = buffers.load(list(range(rows)), [n - 1 for n in seq_lens], slots, tables, seq_lens)
+    assert size == buffers.bucket(rows) and size >= rows
+    logits = forward_bucket(engine.runner.model, kv_cache, buffers, size)
+    assert torch.isfinite(logits).all()
+    changed = (kv_cache != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
+    written = torch.zeros_like(changed)
+    for slot in slots:
+        written[slot // 8, slot % 8] = True
+    assert torch.equal(changed, written)
+    assert not kv_cache[:, :, 0].any()
