@@ -11,6 +11,10 @@ Goals (issue 5): decode >= 70% of copy bandwidth at batch >= 64 and context >= 5
 prefill >= 80% of SDPA's TFLOP/s.
 
     .venv/bin/python benchmarks/kernel_bench.py            # needs a CUDA device
+    .venv/bin/python benchmarks/kernel_bench.py --smoke --result-file /tmp/k.json
+
+--smoke runs tiny shapes on whatever device there is (on CPU, the Triton interpreter): it
+checks that the script works, and its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -18,75 +22,126 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import sys
+import time
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+
+# Without a GPU (--smoke) the kernels run in the interpreter, which must be chosen before
+# triton is imported (triton.language's own jit functions are decorated at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton.testing  # noqa: E402
 
 try:
     import kernels  # noqa: F401
 except ImportError:  # run as a plain script on a machine without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.paged_attention import choose_num_splits, num_sms, paged_attention  # noqa: E402
 
-HEADS, HEAD_DIM, BLOCK_SIZE = 12, 64, 16
-DTYPE = torch.float16
-DECODE_BATCHES = [1, 8, 32, 128, 256]
-DECODE_CONTEXTS = [128, 512, 1024]
-PREFILL_SHAPES = [(1, 512), (1, 1024), (8, 512), (8, 1024), (32, 512)]
-COPY_BYTES = 1 << 30
-
-
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
+HEAD_DIM, BLOCK_SIZE = 64, 16
+# Rows that the decode goal applies to.
+GOAL_MIN_BATCH, GOAL_MIN_CONTEXT = 64, 512
+DECODE_GOAL, PREFILL_GOAL = 0.7, 0.8
+# CPU timing (smoke runs): calls averaged after one warm-up call.
+CPU_TIMING_REPS = 2
 
 
-def copy_bandwidth() -> float:
+@dataclass(frozen=True)
+class Shapes:
+    """What one run measures: GPT-2 small's heads, fp16 on the GPU."""
+
+    heads: int
+    dtype: torch.dtype
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    prefill_shapes: tuple[tuple[int, int], ...]  # (batch, length)
+    copy_bytes: int
+
+
+FULL = Shapes(
+    heads=12,
+    dtype=torch.float16,
+    decode_batches=(1, 8, 32, 128, 256),
+    decode_contexts=(128, 512, 1024),
+    prefill_shapes=((1, 512), (1, 1024), (8, 512), (8, 1024), (32, 512)),
+    copy_bytes=1 << 30,
+)
+SMOKE = Shapes(
+    heads=2,
+    dtype=torch.float32,
+    decode_batches=(1, 2),
+    decode_contexts=(24,),
+    prefill_shapes=((1, 20),),
+    copy_bytes=1 << 20,
+)
+
+
+def time_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+    fn()
+    start = time.perf_counter()
+    for _ in range(CPU_TIMING_REPS):
+        fn()
+    return (time.perf_counter() - start) / CPU_TIMING_REPS * 1e3
+
+
+def copy_bandwidth(shapes: Shapes, device: torch.device) -> float:
     """Bytes per second moved (read + write) by a device-to-device copy."""
-    src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device="cuda")
+    src = torch.empty(shapes.copy_bytes // shapes.dtype.itemsize, dtype=shapes.dtype, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(partial(dst.copy_, src))
-    return 2 * COPY_BYTES / (ms / 1e3)
+    ms = time_ms(partial(dst.copy_, src), device)
+    return 2 * shapes.copy_bytes / (ms / 1e3)
 
 
-def paged_inputs(batch: int, context: int, query_len: int):
+def paged_inputs(shapes: Shapes, device: torch.device, batch: int, context: int, query_len: int):
     """Caches with each sequence's blocks at random places, plus the dense view of them."""
+    heads, dtype = shapes.heads, shapes.dtype
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq * 2 + 1
-    shape = (num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    ids = (torch.randperm(num_blocks - 1, device="cuda") + 1)[: batch * per_seq]
+    shape = (num_blocks, BLOCK_SIZE, heads, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    ids = (torch.randperm(num_blocks - 1, device=device) + 1)[: batch * per_seq]
     block_tables = ids.view(batch, per_seq).to(torch.int32)
-    positions = torch.arange(context, device="cuda")
+    positions = torch.arange(context, device=device)
     blocks = block_tables.long()[:, positions // BLOCK_SIZE]
     dense_k = k_cache[blocks, positions % BLOCK_SIZE].transpose(1, 2).contiguous()
     dense_v = v_cache[blocks, positions % BLOCK_SIZE].transpose(1, 2).contiguous()
-    q = torch.randn((batch * query_len, HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * query_len
+    q = torch.randn((batch * query_len, heads, HEAD_DIM), dtype=dtype, device=device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * query_len
     return q, k_cache, v_cache, block_tables, seq_lens, cu, dense_k, dense_v
 
 
-def bench_decode(copy_bw: float) -> list[dict]:
+def bench_decode(shapes: Shapes, device: torch.device, copy_bw: float) -> list[dict]:
     rows = []
-    for batch in DECODE_BATCHES:
-        for context in DECODE_CONTEXTS:
-            q, kc, vc, bt, sl, cu, dk, dv = paged_inputs(batch, context, 1)
+    heads = shapes.heads
+    for batch in shapes.decode_batches:
+        for context in shapes.decode_contexts:
+            q, kc, vc, bt, sl, cu, dk, dv = paged_inputs(shapes, device, batch, context, 1)
             out = torch.empty_like(q)
             scale = HEAD_DIM**-0.5
-            ours = time_ms(partial(paged_attention, q, kc, vc, bt, sl, cu, 1, context, out, scale))
-            dense_q = q.view(batch, HEADS, 1, HEAD_DIM)
-            sdpa = time_ms(partial(F.scaled_dot_product_attention, dense_q, dk, dv))
-            kv_bytes = 2 * batch * context * HEADS * HEAD_DIM * DTYPE.itemsize
+            ours = time_ms(
+                partial(paged_attention, q, kc, vc, bt, sl, cu, 1, context, out, scale), device
+            )
+            dense_q = q.view(batch, heads, 1, HEAD_DIM)
+            sdpa = time_ms(partial(F.scaled_dot_product_attention, dense_q, dk, dv), device)
+            kv_bytes = 2 * batch * context * heads * HEAD_DIM * shapes.dtype.itemsize
             bw = kv_bytes / (ours / 1e3)
+            splits = choose_num_splits(batch, heads, context, num_sms(device))
             rows.append({
-                "batch": batch, "context": context, "ours_ms": ours, "sdpa_ms": sdpa,
+                "batch": batch, "context": context, "num_splits": splits,
+                "ours_ms": ours, "sdpa_ms": sdpa,
                 "ours_gbps": bw / 1e9, "sdpa_gbps": kv_bytes / (sdpa / 1e3) / 1e9,
                 "fraction_of_copy_bw": bw / copy_bw,
             })  # fmt: skip
@@ -97,16 +152,21 @@ def bench_decode(copy_bw: float) -> list[dict]:
     return rows
 
 
-def bench_prefill() -> list[dict]:
+def bench_prefill(shapes: Shapes, device: torch.device) -> list[dict]:
     rows = []
-    for batch, length in PREFILL_SHAPES:
-        q, kc, vc, bt, sl, cu, dk, dv = paged_inputs(batch, length, length)
+    heads = shapes.heads
+    for batch, length in shapes.prefill_shapes:
+        q, kc, vc, bt, sl, cu, dk, dv = paged_inputs(shapes, device, batch, length, length)
         out = torch.empty_like(q)
         scale = HEAD_DIM**-0.5
-        ours = time_ms(partial(paged_attention, q, kc, vc, bt, sl, cu, length, length, out, scale))
-        dense_q = q.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-        sdpa = time_ms(partial(F.scaled_dot_product_attention, dense_q, dk, dv, is_causal=True))
-        flops = 2 * 2 * batch * HEADS * length * length * HEAD_DIM / 2
+        ours = time_ms(
+            partial(paged_attention, q, kc, vc, bt, sl, cu, length, length, out, scale), device
+        )
+        dense_q = q.view(batch, length, heads, HEAD_DIM).transpose(1, 2).contiguous()
+        sdpa = time_ms(
+            partial(F.scaled_dot_product_attention, dense_q, dk, dv, is_causal=True), device
+        )
+        flops = 2 * 2 * batch * heads * length * length * HEAD_DIM / 2
         rows.append({
             "batch": batch, "length": length, "ours_ms": ours, "sdpa_ms": sdpa,
             "ours_tflops": flops / (ours / 1e3) / 1e12, "sdpa_tflops": flops / (sdpa / 1e3) / 1e12,
@@ -119,44 +179,54 @@ def bench_prefill() -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--result-file", type=Path, default=None)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("kernel_bench needs a CUDA device")
-    device = torch.cuda.get_device_name()
-    copy_bw = copy_bandwidth()
-    print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
-    decode = bench_decode(copy_bw)
-    prefill = bench_prefill()
-    goal_rows = [r for r in decode if r["batch"] >= 64 and r["context"] >= 512]
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("kernel_bench needs a CUDA device (or --smoke)")
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes = SMOKE if args.smoke else FULL
+    name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    copy_bw = copy_bandwidth(shapes, device)
+    print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
+    decode = bench_decode(shapes, device, copy_bw)
+    prefill = bench_prefill(shapes, device)
+    goal_rows = [
+        r for r in decode if r["batch"] >= GOAL_MIN_BATCH and r["context"] >= GOAL_MIN_CONTEXT
+    ]
     result = {
         "benchmark": "kernel_bench",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
-            "device": device,
+            "device": name,
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
         },
         "settings": {
-            "heads": HEADS,
+            **asdict(shapes),
+            "dtype": str(shapes.dtype),
             "head_dim": HEAD_DIM,
             "block_size": BLOCK_SIZE,
-            "dtype": str(DTYPE),
+            "smoke": args.smoke,
         },
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "decode": decode,
         "prefill": prefill,
         "goals": {
-            "decode_min_fraction_of_copy_bw": min(r["fraction_of_copy_bw"] for r in goal_rows),
-            "decode_goal_met": all(r["fraction_of_copy_bw"] >= 0.7 for r in goal_rows),
+            "decode_min_fraction_of_copy_bw": min(
+                (r["fraction_of_copy_bw"] for r in goal_rows), default=None
+            ),
+            "decode_goal_met": bool(goal_rows)
+            and all(r["fraction_of_copy_bw"] >= DECODE_GOAL for r in goal_rows),
             "prefill_min_fraction_of_sdpa": min(r["fraction_of_sdpa"] for r in prefill),
-            "prefill_goal_met": all(r["fraction_of_sdpa"] >= 0.8 for r in prefill),
+            "prefill_goal_met": all(r["fraction_of_sdpa"] >= PREFILL_GOAL for r in prefill),
         },
     }
-    slug = device.lower().replace(" ", "_")
+    slug = name.lower().replace(" ", "_")
     path = args.result_file or Path(__file__).parent / "results" / f"kernel_bench_{slug}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import DecodeInputBuffers, batch_size_buckets, forward_bucket
+from engine.cuda_graphs import DecodeInputBuffers, forward_bucket
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 
@@ -43,14 +43,6 @@ def triton_engine(model_dir: str) -> LLMEngine:
         model=model_dir, device="cpu", num_blocks=96, block_size=8, attention_backend="triton"
     )
     return LLMEngine(config)
-
-
-def test_buckets_cover_every_batch_size():
-    assert batch_size_buckets(1) == [1]
-    assert batch_size_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
-    buckets = batch_size_buckets(256)
-    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 256
-    assert all(b % 16 == 0 for b in buckets[4:])
 
 
 def test_padded_bucket_replay_gives_hf_greedy_tokens(tiny_model_dir, hf_tiny):
