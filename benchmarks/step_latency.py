@@ -1,0 +1,180 @@
+"""Decode step latency: one engine step (schedule, forward, sample) per generated token at
+small batch sizes, replayed from CUDA graphs and eager, against HF `generate`'s time per token.
+
+Workload: a GPT-2-shaped model (--preset; dummy weights written once, shared by both
+systems), `batch` prompts of --prompt-len random token ids, greedy, EOS ignored.
+  * octavo: an LLMEngine driven step by step. One step = perf_counter around
+    `engine.step()`, which returns once the sampled tokens are on the host. The first
+    --warmup-steps decode steps are dropped; the median and p90 of the rest are reported.
+  * hf: `model.generate` on the same batch (no padding), max_new_tokens = min_new_tokens =
+    --steps; time per token = wall time / steps (its one prefill is amortised in it).
+Goal (issue 5): a GPT-2 small decode step at batch 1 under 1 ms with CUDA graphs.
+
+    .venv/bin/python benchmarks/step_latency.py --device cuda --dtype float16
+    .venv/bin/python benchmarks/step_latency.py --smoke --result-file /tmp/s.json
+
+--smoke: a 2-layer model, two batch sizes, a few steps on the CPU, to check the script; its
+numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import engine  # noqa: F401
+except ImportError:  # run as a plain script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import load_hf_model, machine_info, synchronize, write_checkpoint  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (layers, n_embd, heads) of the released GPT-2 sizes, and the smoke model.
+PRESETS = {
+    "gpt2": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+    "smoke": (2, 64, 2),
+}
+VOCAB, N_POSITIONS = 50257, 1024
+SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=128, help="decode steps per run")
+    p.add_argument("--warmup-steps", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny model on any device")
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.dtype = "smoke", "float32"
+        args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
+    args.layers, args.hidden, args.heads = PRESETS[args.preset]
+    args.vocab, args.n_positions = VOCAB, N_POSITIONS
+    return args
+
+
+def prompts(args: argparse.Namespace, batch: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(args.seed + batch)
+    return torch.randint(0, args.vocab, (batch, args.prompt_len), generator=generator).tolist()
+
+
+def octavo_steps_ms(engine: LLMEngine, args: argparse.Namespace, batch: int) -> list[float]:
+    """Wall time of every decode step of one run (the prefill step excluded)."""
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts(args, batch)):
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    engine.step()  # the prefill, which also samples each request's first token
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def hf_ms_per_token(model, args: argparse.Namespace, batch: int) -> float:
+    ids = torch.tensor(prompts(args, batch), device=args.device)
+    mask = torch.ones_like(ids)
+    steps = args.steps
+
+    def generate() -> None:
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                do_sample=False,
+            )  # fmt: skip
+
+    generate()  # warm-up
+    synchronize(args.device)
+    start = time.perf_counter()
+    generate()
+    synchronize(args.device)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    modes = ["cuda_graphs", "eager"] if args.device.startswith("cuda") else ["eager"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="octavo_step_") as tmp:
+        folder = Path(tmp)
+        write_checkpoint(folder, args)
+        hf = load_hf_model(folder, args.device, DTYPES[args.dtype])
+        hf_ms = {batch: hf_ms_per_token(hf, args, batch) for batch in args.batches}
+        del hf
+        for mode in modes:
+            config = EngineConfig(
+                model=str(folder), device=args.device, dtype=args.dtype,
+                max_num_seqs=max(args.batches), enforce_eager=mode == "eager", seed=args.seed,
+            )  # fmt: skip
+            engine = LLMEngine(config)
+            octavo_steps_ms(engine, args, 1)  # warm-up: kernels compiled, allocator primed
+            for batch in args.batches:
+                times = octavo_steps_ms(engine, args, batch)[args.warmup_steps :]
+                median = statistics.median(times)
+                p90 = sorted(times)[int(0.9 * (len(times) - 1))]
+                rows.append({
+                    "mode": mode, "batch": batch, "step_ms_median": median, "step_ms_p90": p90,
+                    "output_tokens_per_s": batch / (median / 1e3),
+                    "hf_ms_per_token": hf_ms[batch], "speedup_vs_hf": hf_ms[batch] / median,
+                })  # fmt: skip
+                print(
+                    f"{mode:12} batch {batch:4d}: step {median:7.3f} ms (p90 {p90:7.3f}), "
+                    f"HF {hf_ms[batch]:7.3f} ms/token, {hf_ms[batch] / median:5.2f}x"
+                )
+            del engine
+    graph_batch1 = [r for r in rows if r["mode"] == "cuda_graphs" and r["batch"] == 1]
+    result = {
+        "benchmark": "step_latency",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(args.device),
+        "settings": {
+            key: getattr(args, key)
+            for key in (
+                "preset",
+                "dtype",
+                "batches",
+                "prompt_len",
+                "steps",
+                "warmup_steps",
+                "seed",
+                "smoke",
+            )
+        },  # fmt: skip
+        "rows": rows,
+        "goals": {
+            "batch1_graph_step_ms": graph_batch1[0]["step_ms_median"] if graph_batch1 else None,
+            "batch1_under_1ms": bool(graph_batch1) and graph_batch1[0]["step_ms_median"] < 1.0,
+        },
+    }
+    path = args.result_file
+    if path is None:
+        gpu = result["machine"].get("gpu", "cpu").lower().replace(" ", "_")
+        path = Path(__file__).parent / "results" / f"step_latency_{args.preset}_{gpu}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
