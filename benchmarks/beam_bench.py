@@ -92,7 +92,9 @@ from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
 from benchmarks.common import (  # noqa: E402
+    GPT2_PRESETS,
     PAD_TOKEN_ID,
+    default_result_file,
     load_hf_model,
     machine_info,
     synchronize,
@@ -102,7 +104,6 @@ from engine import LLM, BeamSearchParams
 from engine.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_RESULT_FILE = REPO_ROOT / "benchmarks" / "results" / "beam_bench_cpu.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16
@@ -185,6 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=16,
         help="HF runs the requests in batches of this many (default: all at once)",
     )
+    p.add_argument(
+        "--preset", choices=sorted(GPT2_PRESETS), help="a GPT-2 size: sets layers, hidden, heads"
+    )
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=512, help="n_embd")
     p.add_argument("--heads", type=int, default=8)
@@ -214,8 +218,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="leading requests per config whose best beams are compared with HF",
     )
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--result-file",
+        type=Path,
+        help="default: results/beam_bench_cpu.json on CPU, "
+        "results/beam_bench_<preset>_<gpu>.json on CUDA",
+    )
+    args = p.parse_args(argv)
+    if args.preset:
+        args.layers, args.hidden, args.heads = GPT2_PRESETS[args.preset]
+    if args.result_file is None:
+        args.result_file = default_result_file("beam_bench", args.device, args.preset)
+    return args
 
 
 def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -14,6 +14,25 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 # HF wants a pad id; padded positions are masked out (or there is no padding at all).
 PAD_TOKEN_ID = 0
+# (n_layer, n_embd, n_head) of the released GPT-2 sizes.
+GPT2_PRESETS = {
+    "gpt2": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+}
+
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def default_result_file(benchmark: str, device: str, preset: str | None) -> Path:
+    """results/<benchmark>_cpu.json on CPU (the development machine's model shape);
+    results/<benchmark>_<preset>_<gpu name>.json on CUDA."""
+    if not (device.startswith("cuda") and torch.cuda.is_available()):
+        return RESULTS_DIR / f"{benchmark}_cpu.json"
+    gpu = torch.cuda.get_device_name(torch.device(device)).lower().replace(" ", "_")
+    return RESULTS_DIR / f"{benchmark}_{preset or 'custom'}_{gpu}.json"
 
 
 def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:

@@ -38,6 +38,7 @@ A table is printed and the JSON result is written to --result-file
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -63,7 +64,9 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from benchmarks.common import (  # noqa: E402
+    GPT2_PRESETS,
     PAD_TOKEN_ID,
+    default_result_file,
     load_hf_model,
     machine_info,
     synchronize,
@@ -71,8 +74,6 @@ from benchmarks.common import (  # noqa: E402
 )
 from engine import LLM, SamplingParams
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_RESULT_FILE = REPO_ROOT / "benchmarks" / "results" / "offline_throughput_cpu.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)
 WARMUP_REQUESTS = 4
@@ -131,6 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     p.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
+    p.add_argument(
+        "--preset", choices=sorted(GPT2_PRESETS), help="a GPT-2 size: sets layers, hidden, heads"
+    )
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=512, help="n_embd")
     p.add_argument("--heads", type=int, default=8)
@@ -164,8 +168,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
-    p.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--result-file",
+        type=Path,
+        help="default: results/offline_throughput_cpu.json on CPU, "
+        "results/offline_throughput_<preset>_<gpu>.json on CUDA",
+    )
+    args = p.parse_args(argv)
+    if args.preset:
+        args.layers, args.hidden, args.heads = GPT2_PRESETS[args.preset]
+    if args.result_file is None:
+        args.result_file = default_result_file("offline_throughput", args.device, args.preset)
+    return args
 
 
 def make_workload(
@@ -251,8 +265,11 @@ def hf_cb_config(args: argparse.Namespace, workload: Workload) -> ContinuousBatc
         math.ceil((len(p) + n) / HF_CB_PAGE_SIZE)
         for p, n in zip(workload.prompts, workload.output_lens, strict=True)
     )
+    # The field was `block_size` before transformers 5.2x (the GPU machines have 5.17).
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in fields else "block_size"
     return ContinuousBatchingConfig(
-        page_size=HF_CB_PAGE_SIZE,
+        **{page_field: HF_CB_PAGE_SIZE},
         num_blocks=blocks + 1,
         max_batch_tokens=args.max_num_batched_tokens,
         max_requests_per_batch=args.max_num_seqs,

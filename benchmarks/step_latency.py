@@ -35,18 +35,19 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_hf_model, machine_info, synchronize, write_checkpoint  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    GPT2_PRESETS,
+    default_result_file,
+    load_hf_model,
+    machine_info,
+    synchronize,
+    write_checkpoint,
+)
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# (layers, n_embd, heads) of the released GPT-2 sizes, and the smoke model.
-PRESETS = {
-    "gpt2": (12, 768, 12),
-    "gpt2-medium": (24, 1024, 16),
-    "gpt2-large": (36, 1280, 20),
-    "gpt2-xl": (48, 1600, 25),
-    "smoke": (2, 64, 2),
-}
+# (layers, n_embd, heads): the released GPT-2 sizes and the smoke model.
+PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
 VOCAB, N_POSITIONS = 50257, 1024
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1
 
@@ -166,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch1_under_1ms": bool(graph_batch1) and graph_batch1[0]["step_ms_median"] < 1.0,
         },
     }
-    path = args.result_file
-    if path is None:
-        gpu = result["machine"].get("gpu", "cpu").lower().replace(" ", "_")
-        path = Path(__file__).parent / "results" / f"step_latency_{args.preset}_{gpu}.json"
+    path = args.result_file or default_result_file("step_latency", args.device, args.preset)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
