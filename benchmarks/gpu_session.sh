@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Everything issue 5 needs from a GPU machine, in two stages that each fit one 10-minute
+# device call. Run from the repository root with the machine's own python (torch, triton,
+# transformers, pytest preinstalled; no fastapi needed):
+#
+#   bash benchmarks/gpu_session.sh kernels OUT_DIR   # GPU-marked tests, kernel_bench
+#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, offline and beam benchmarks
+#
+# Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
+# device in its name. A failing command is logged and the stage goes on; the exit status is
+# that of the first failure.
+set -u
+stage=${1:?usage: gpu_session.sh kernels|engine OUT_DIR}
+out=${2:?usage: gpu_session.sh kernels|engine OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+status=0
+
+step() {  # step NAME COMMAND...: runs COMMAND, output to OUT_DIR/NAME.log, timed
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "   rc=$rc in $((SECONDS - start)) s"
+    tail -n 25 "$out/$name.log"
+    [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
+    return 0
+}
+
+case $stage in
+kernels)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
+    step gpu_tests "$python" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider
+    step kernel_bench "$python" benchmarks/kernel_bench.py --result-file "$out/kernel_bench.json"
+    ;;
+engine)
+    step step_latency "$python" benchmarks/step_latency.py --device cuda --dtype float16 \
+        --result-file "$out/step_latency.json"
+    step offline_gpt2 "$python" benchmarks/offline_throughput.py --device cuda --dtype float16 \
+        --preset gpt2 --num-requests 256 --result-file "$out/offline_gpt2.json"
+    step offline_gpt2_medium "$python" benchmarks/offline_throughput.py --device cuda \
+        --dtype float16 --preset gpt2-medium --num-requests 256 --repeats 1 \
+        --result-file "$out/offline_gpt2_medium.json"
+    step beam_bench "$python" benchmarks/beam_bench.py --device cuda --dtype float16 \
+        --preset gpt2 --result-file "$out/beam_bench.json"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
+exit $status
