@@ -35,7 +35,7 @@ kernels)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     step gpu_tests "$python" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider
-    step kernel_bench "$python" benchmarks/kernel_bench.py --result-file "$out/kernel_bench.json"
+    step kernel_bench "$python" benchmarks/kernel_bench.py --sweep --result-file "$out/kernel_bench.json"
     ;;
 engine)
     step step_latency "$python" benchmarks/step_latency.py --device cuda --dtype float16 \

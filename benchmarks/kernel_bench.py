@@ -45,7 +45,13 @@ try:
 except ImportError:  # run as a plain script on a machine without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.paged_attention import choose_num_splits, num_sms, paged_attention  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    DecodeConfig,
+    PrefillConfig,
+    choose_num_splits,
+    num_sms,
+    paged_attention,
+)
 
 HEAD_DIM, BLOCK_SIZE = 64, 16
 # Rows that the decode goal applies to.
@@ -65,6 +71,11 @@ class Shapes:
     decode_contexts: tuple[int, ...]
     prefill_shapes: tuple[tuple[int, int], ...]  # (batch, length)
     copy_bytes: int
+    # --sweep: launch configs timed on a few shapes, to pick the heuristics from.
+    sweep_decode_shapes: tuple[tuple[int, int], ...]  # (batch, context)
+    sweep_prefill_shapes: tuple[tuple[int, int], ...]  # (batch, length)
+    decode_candidates: tuple[DecodeConfig, ...]
+    prefill_candidates: tuple[PrefillConfig, ...]
 
 
 FULL = Shapes(
@@ -74,6 +85,23 @@ FULL = Shapes(
     decode_contexts=(128, 512, 1024),
     prefill_shapes=((1, 512), (1, 1024), (8, 512), (8, 1024), (32, 512)),
     copy_bytes=1 << 30,
+    sweep_decode_shapes=((8, 1024), (64, 512), (128, 1024), (256, 512)),
+    sweep_prefill_shapes=((1, 1024), (8, 512), (32, 512)),
+    decode_candidates=tuple(
+        DecodeConfig(block_n, num_warps) for block_n in (32, 64, 128) for num_warps in (2, 4, 8)
+    ),
+    prefill_candidates=tuple(
+        PrefillConfig(block_m, block_n, num_warps, num_stages)
+        for block_m, block_n, num_warps in (
+            (64, 32, 4),
+            (64, 64, 4),
+            (64, 128, 4),
+            (128, 32, 8),
+            (128, 64, 8),
+            (128, 128, 8),
+        )
+        for num_stages in (2, 3)
+    ),  # fmt: skip
 )
 SMOKE = Shapes(
     heads=2,
@@ -82,6 +110,10 @@ SMOKE = Shapes(
     decode_contexts=(24,),
     prefill_shapes=((1, 20),),
     copy_bytes=1 << 20,
+    sweep_decode_shapes=((2, 24),),
+    sweep_prefill_shapes=((1, 20),),
+    decode_candidates=(DecodeConfig(16, num_warps=2), DecodeConfig(32)),
+    prefill_candidates=(PrefillConfig(16, 16), PrefillConfig(16, 32, num_stages=2)),
 )
 
 
@@ -179,10 +211,67 @@ def bench_prefill(shapes: Shapes, device: torch.device) -> list[dict]:
     return rows
 
 
+def bench_sweep(shapes: Shapes, device: torch.device, copy_bw: float) -> dict[str, list[dict]]:
+    """Times every candidate launch config on the sweep shapes; a config the device cannot
+    run (out of shared memory or registers) is recorded with its error. Decode rows report
+    the fraction of copy bandwidth, prefill rows TFLOP/s."""
+    heads, scale = shapes.heads, HEAD_DIM**-0.5
+    rows: dict[str, list[dict]] = {"decode": [], "prefill": []}
+    for batch, context in shapes.sweep_decode_shapes:
+        q, kc, vc, bt, sl, cu, _, _ = paged_inputs(shapes, device, batch, context, 1)
+        kv_bytes = 2 * batch * context * heads * HEAD_DIM * shapes.dtype.itemsize
+        candidates = []
+        for config in shapes.decode_candidates:
+            run = partial(
+                paged_attention, q, kc, vc, bt, sl, cu, 1, context, torch.empty_like(q), scale,
+                decode=config,
+            )  # fmt: skip
+            row = {"batch": batch, "context": context, "config": asdict(config)}
+            row |= _timed(run, device)
+            if "ms" in row:
+                row["fraction_of_copy_bw"] = kv_bytes / (row["ms"] / 1e3) / copy_bw
+            candidates.append(row)
+        _print_best(f"decode b={batch} ctx={context}", candidates, "fraction_of_copy_bw")
+        rows["decode"] += candidates
+    for batch, length in shapes.sweep_prefill_shapes:
+        q, kc, vc, bt, sl, cu, _, _ = paged_inputs(shapes, device, batch, length, length)
+        flops = 2 * 2 * batch * heads * length * length * HEAD_DIM / 2
+        candidates = []
+        for config in shapes.prefill_candidates:
+            run = partial(
+                paged_attention, q, kc, vc, bt, sl, cu, length, length, torch.empty_like(q),
+                scale, prefill=config,
+            )  # fmt: skip
+            row = {"batch": batch, "length": length, "config": asdict(config)}
+            row |= _timed(run, device)
+            if "ms" in row:
+                row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+            candidates.append(row)
+        _print_best(f"prefill b={batch} L={length}", candidates, "tflops")
+        rows["prefill"] += candidates
+    return rows
+
+
+def _timed(run, device: torch.device) -> dict:
+    try:
+        return {"ms": time_ms(run, device)}
+    except Exception as error:  # noqa: BLE001 -- a config the device rejects is a result
+        return {"error": f"{type(error).__name__}: {error}"[:200]}
+
+
+def _print_best(label: str, candidates: list[dict], metric: str) -> None:
+    ran = [r for r in candidates if "ms" in r]
+    failed = len(candidates) - len(ran)
+    if ran:
+        best = min(ran, key=lambda r: r["ms"])
+        print(f"sweep {label}: best {best['config']} {metric}={best[metric]:.3g} ({failed} failed)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--result-file", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    parser.add_argument("--sweep", action="store_true", help="also time candidate configs")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -194,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
     decode = bench_decode(shapes, device, copy_bw)
     prefill = bench_prefill(shapes, device)
+    sweep = bench_sweep(shapes, device, copy_bw) if args.sweep else None
     goal_rows = [
         r for r in decode if r["batch"] >= GOAL_MIN_BATCH and r["context"] >= GOAL_MIN_CONTEXT
     ]
@@ -216,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "decode": decode,
         "prefill": prefill,
+        "sweep": sweep,
         "goals": {
             "decode_min_fraction_of_copy_bw": min(
                 (r["fraction_of_copy_bw"] for r in goal_rows), default=None

@@ -3,28 +3,68 @@ every key and value (cached context and this step's tokens) through the block ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-# Decode path: keys per loop iteration, and split-KV limits (a split below this many keys
-# costs more in its partial write and reduce than it gains in parallelism).
-DECODE_BLOCK_N = 64
+# Split-KV limits of the decode path (a split below this many keys costs more in its
+# partial write and reduce than it gains in parallelism).
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 16
-# Prefill path tiles. Every tl.dot dimension must be >= 16 on the GPU compiler.
+# Every tl.dot dimension must be >= 16 on the GPU compiler.
 MIN_DOT_DIM = 16
+# Triton's defaults, which the heuristics keep until a GPU sweep (kernel_bench --sweep) says
+# otherwise.
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
 
 
-def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M queries, BLOCK_N keys) of the tl.dot path, from head_dim and dtype only.
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the tl.dot path: BLOCK_M queries x BLOCK_N keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = DEFAULT_NUM_WARPS
+    num_stages: int = DEFAULT_NUM_STAGES
+
+    def __post_init__(self):
+        for tile in (self.block_m, self.block_n):
+            if tile < MIN_DOT_DIM or not _is_power_of_2(tile):
+                raise ValueError(f"prefill tiles must be powers of 2 >= {MIN_DOT_DIM}: {self}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode path: BLOCK_N keys per loop iteration."""
+
+    block_n: int
+    num_warps: int = DEFAULT_NUM_WARPS
+
+    def __post_init__(self):
+        if not _is_power_of_2(self.block_n):
+            raise ValueError(f"decode block_n must be a power of 2: {self}")
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """The tl.dot path's tiles, from head_dim and dtype only.
 
     16-bit inputs fit 64 x 64 tiles with head_dim <= 128 in shared memory; fp32 operands
     take twice the space, as does a larger head_dim. Never below MIN_DOT_DIM.
     """
     if dtype == torch.float32 or head_dim > 128:
-        return 32, 32
-    return 64, 64
+        return PrefillConfig(block_m=32, block_n=32)
+    return PrefillConfig(block_m=64, block_n=64)
+
+
+# 64 keys per iteration: a [64, head_dim] K and V tile in flight per program.
+DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=64)
 
 
 def choose_num_splits(num_seqs: int, num_heads: int, max_seqlen_k: int, num_sms: int) -> int:
@@ -232,6 +272,9 @@ def paged_attention(
     out: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    prefill: PrefillConfig | None = None,
+    decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """out[t] = causal softmax(q[t] K^T * scale) V over each sequence's paged keys.
 
@@ -240,6 +283,8 @@ def paged_attention(
     after this step, context included); cu_seqlens_q int32 [num_seqs + 1]. A batch with
     max_seqlen_q == 1 takes the decode path (split-KV over `num_splits`, chosen by
     choose_num_splits when None); any other takes the tl.dot path, which ignores num_splits.
+    `prefill` and `decode` override the launch heuristics (prefill_config and
+    DEFAULT_DECODE_CONFIG).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
     num_tokens, num_heads, head_dim = q.shape
@@ -255,12 +300,13 @@ def paged_attention(
         k_cache.shape[1],
     )
     if max_seqlen_q > 1:
-        block_m, block_n = prefill_tiles(head_dim, q.dtype)
-        grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
+        tiles = prefill or prefill_config(head_dim, q.dtype)
+        grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, tiles.block_m))
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
         return out
     if num_tokens != num_seqs:
@@ -276,10 +322,12 @@ def paged_attention(
         if splits > 1
         else out
     )
+    launch = decode or DEFAULT_DECODE_CONFIG
     _decode_kernel[(num_seqs, num_heads, splits)](
         q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, scale, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, WRITE_PARTIAL=splits > 1,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, WRITE_PARTIAL=splits > 1,
+        num_warps=launch.num_warps,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
@@ -301,6 +349,9 @@ def paged_attention_ref(
     out: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    prefill: PrefillConfig | None = None,
+    decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """The same contract, one sequence at a time in fp32 plain torch."""
     block_size = k_cache.shape[1]

@@ -26,6 +26,9 @@ def test_kernel_bench_smoke_writes_its_result(tmp_path):
     assert len(result["prefill"]) == 1
     for row in result["decode"] + result["prefill"]:
         assert row["ours_ms"] > 0 and row["sdpa_ms"] > 0
+    sweep = result["sweep"]
+    assert len(sweep["decode"]) == len(sweep["prefill"]) == 2
+    assert all(r["ms"] > 0 and "error" not in r for r in sweep["decode"] + sweep["prefill"])
     assert set(result["goals"]) == {
         "decode_min_fraction_of_copy_bw", "decode_goal_met",
         "prefill_min_fraction_of_sdpa", "prefill_goal_met",

@@ -5,10 +5,12 @@ import torch
 
 from kernels.paged_attention import (
     MIN_DOT_DIM,
+    DecodeConfig,
+    PrefillConfig,
     choose_num_splits,
     paged_attention,
     paged_attention_ref,
-    prefill_tiles,
+    prefill_config,
 )
 from tests.kernels.paged_setup import make_batch
 
@@ -83,9 +85,37 @@ def test_four_heads_and_strided_queries():
 def test_tile_heuristics_keep_every_dot_dimension_at_least_16(num_heads, dtype):
     for n_embd in (768, 1024, 1280, 1600, num_heads * 32, num_heads * 128):
         head_dim = n_embd // num_heads
-        block_m, block_n = prefill_tiles(head_dim, dtype)
-        assert min(block_m, block_n, head_dim) >= MIN_DOT_DIM or head_dim < MIN_DOT_DIM
-        assert block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
+        tiles = prefill_config(head_dim, dtype)
+        assert min(tiles.block_m, tiles.block_n, head_dim) >= MIN_DOT_DIM or head_dim < MIN_DOT_DIM
+        assert tiles.block_m & (tiles.block_m - 1) == 0 and tiles.block_n & (tiles.block_n - 1) == 0
+
+
+def test_configs_refuse_tiles_the_gpu_compiler_rejects():
+    with pytest.raises(ValueError, match="powers of 2"):
+        PrefillConfig(block_m=8, block_n=64)
+    with pytest.raises(ValueError, match="powers of 2"):
+        PrefillConfig(block_m=64, block_n=48)
+    with pytest.raises(ValueError, match="power of 2"):
+        DecodeConfig(block_n=24)
+
+
+@pytest.mark.parametrize(
+    "prefill,decode",
+    [
+        (PrefillConfig(16, 16, num_warps=2, num_stages=2), DecodeConfig(16, num_warps=2)),
+        (PrefillConfig(32, 16), DecodeConfig(32)),
+        (PrefillConfig(16, 64, num_warps=8), DecodeConfig(128, num_warps=8)),
+    ],
+    ids=str,
+)
+def test_launch_configs_give_the_same_result(prefill, decode):
+    """Every shape kernel_bench --sweep may time computes the reference's answer."""
+    for query_lens, seq_lens in (([9, 16], [33, 40]), ([1, 1, 1], [70, 3, 45])):
+        batch = make_batch(
+            query_lens, seq_lens, num_heads=2, head_dim=16, block_size=8, dtype=torch.float32
+        )
+        got = run(batch, paged_attention, num_splits=2, prefill=prefill, decode=decode)
+        torch.testing.assert_close(got, run(batch, paged_attention_ref), atol=1e-5, rtol=1e-5)
 
 
 def test_split_heuristic_only_splits_long_contexts_on_an_underfilled_device():
