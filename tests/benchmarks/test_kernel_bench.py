@@ -15,6 +15,7 @@ def test_kernel_bench_smoke_writes_its_result(tmp_path):
         sys.executable,
         "benchmarks/kernel_bench.py",
         "--smoke",
+        "--sweep",
         "--result-file",
         str(result_file),
     ]
