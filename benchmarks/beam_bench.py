@@ -92,11 +92,11 @@ from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
 from benchmarks.common import (  # noqa: E402
-    GPT2_PRESETS,
     PAD_TOKEN_ID,
-    default_result_file,
+    add_model_arguments,
     load_hf_model,
     machine_info,
+    resolve_model_arguments,
     synchronize,
     write_checkpoint,
 )
@@ -186,14 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=16,
         help="HF runs the requests in batches of this many (default: all at once)",
     )
-    p.add_argument(
-        "--preset", choices=sorted(GPT2_PRESETS), help="a GPT-2 size: sets layers, hidden, heads"
-    )
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512, help="n_embd")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--n-positions", type=int, default=1024)
+    add_model_arguments(p, "beam_bench")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
     p.add_argument("--block-size", type=int, default=16, help="Octavo's KV block size")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -218,18 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="leading requests per config whose best beams are compared with HF",
     )
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument(
-        "--result-file",
-        type=Path,
-        help="default: results/beam_bench_cpu.json on CPU, "
-        "results/beam_bench_<preset>_<gpu>.json on CUDA",
-    )
-    args = p.parse_args(argv)
-    if args.preset:
-        args.layers, args.hidden, args.heads = GPT2_PRESETS[args.preset]
-    if args.result_file is None:
-        args.result_file = default_result_file("beam_bench", args.device, args.preset)
-    return args
+    return resolve_model_arguments(p.parse_args(argv), "beam_bench")
 
 
 def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -53,6 +53,34 @@ def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
     return config
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, benchmark: str) -> None:
+    """The dummy model's shape (--preset or --layers/--hidden/--heads, --vocab,
+    --n-positions) and --result-file; finish with resolve_model_arguments."""
+    parser.add_argument(
+        "--preset", choices=sorted(GPT2_PRESETS), help="a GPT-2 size: sets layers, hidden, heads"
+    )
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512, help="n_embd")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--n-positions", type=int, default=1024)
+    parser.add_argument(
+        "--result-file",
+        type=Path,
+        help=f"default: results/{benchmark}_cpu.json on CPU, "
+        f"results/{benchmark}_<preset>_<gpu>.json on CUDA",
+    )
+
+
+def resolve_model_arguments(args: argparse.Namespace, benchmark: str) -> argparse.Namespace:
+    """Applies --preset and picks the default result file for the device."""
+    if args.preset:
+        args.layers, args.hidden, args.heads = GPT2_PRESETS[args.preset]
+    if args.result_file is None:
+        args.result_file = default_result_file(benchmark, args.device, args.preset)
+    return args
+
+
 def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
     model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None  # EOS must never end a sequence

@@ -64,11 +64,11 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from benchmarks.common import (  # noqa: E402
-    GPT2_PRESETS,
     PAD_TOKEN_ID,
-    default_result_file,
+    add_model_arguments,
     load_hf_model,
     machine_info,
+    resolve_model_arguments,
     synchronize,
     write_checkpoint,
 )
@@ -132,14 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     p.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
-    p.add_argument(
-        "--preset", choices=sorted(GPT2_PRESETS), help="a GPT-2 size: sets layers, hidden, heads"
-    )
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512, help="n_embd")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--n-positions", type=int, default=1024)
+    add_model_arguments(p, "offline_throughput")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Octavo and HF CB batch cap")
     p.add_argument(
@@ -168,18 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
-    p.add_argument(
-        "--result-file",
-        type=Path,
-        help="default: results/offline_throughput_cpu.json on CPU, "
-        "results/offline_throughput_<preset>_<gpu>.json on CUDA",
-    )
-    args = p.parse_args(argv)
-    if args.preset:
-        args.layers, args.hidden, args.heads = GPT2_PRESETS[args.preset]
-    if args.result_file is None:
-        args.result_file = default_result_file("offline_throughput", args.device, args.preset)
-    return args
+    return resolve_model_arguments(p.parse_args(argv), "offline_throughput")
 
 
 def make_workload(
