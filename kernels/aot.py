@@ -62,6 +62,9 @@ WORKLOAD_CONTEXT = 1024
 # Decode split factors to cover: one per reduce-kernel width (SPLITS = next power of two).
 WORKLOAD_SPLITS = (1, 2, 4, 8, paged_attention_module.MAX_SPLITS)
 WORKLOAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A cache whose per-layer plane passes 2**31 elements: Triton then passes the plane stride
+# as i64, a variant of its own.
+LARGE_CACHE_BLOCKS = 2**31 // (WORKLOAD_BLOCK_SIZE * GPT2_HEAD_COUNTS[0] * GPT2_HEAD_DIM) + 1
 
 
 @dataclass(frozen=True)
@@ -138,12 +141,14 @@ def recorded_launches() -> Iterator[list[KernelLaunch]]:
 def gpt2_workload() -> list[KernelLaunch]:
     """The launches the triton attention backend makes for GPT-2 small to xl, in every dtype:
     store_kv from strided views of the fused qkv projection, a mixed prefill + decode batch,
-    decode batches at every split factor, and a copy-on-write copy over a two-layer cache."""
+    decode batches at every split factor, and copy-on-write copies over a small two-layer
+    cache and over one whose per-layer plane passes 2**31 elements."""
     with recorded_launches() as launches:
         for dtype in WORKLOAD_DTYPES:
             for num_heads in GPT2_HEAD_COUNTS:
                 _attention_launches(num_heads, dtype)
-            _copy_launch(GPT2_HEAD_COUNTS[0], dtype)
+            _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=8)
+            _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=LARGE_CACHE_BLOCKS)
     return launches
 
 
@@ -202,10 +207,12 @@ def _store_and_attend(
     )
 
 
-def _copy_launch(num_heads: int, dtype: torch.dtype) -> None:
-    num_layers, num_blocks = 2, 8
-    kv_cache = torch.zeros(
-        (num_layers, 2, num_blocks, WORKLOAD_BLOCK_SIZE, num_heads, GPT2_HEAD_DIM), dtype=dtype
+def _copy_launch(num_heads: int, dtype: torch.dtype, num_blocks: int) -> None:
+    # A meta tensor: shapes and strides without memory, so a cache of any size can be recorded.
+    kv_cache = torch.empty(
+        (2, 2, num_blocks, WORKLOAD_BLOCK_SIZE, num_heads, GPT2_HEAD_DIM),
+        dtype=dtype,
+        device="meta",
     )
     copy_blocks_module.copy_blocks(kv_cache, torch.tensor([[1, 2], [3, 4]], dtype=torch.int64))
 

@@ -51,6 +51,12 @@ def test_every_kernel_compiles_for_every_arch_and_dtype(variants):
             if v["arch"] == arch and v["kernel"] == "_reduce_splits_kernel"
         }
         assert splits == {2, 4, 8, 16}
+        plane_strides = {
+            v["signature"]["plane_stride"]
+            for v in variants
+            if v["arch"] == arch and v["kernel"] == "_copy_blocks_kernel"
+        }
+        assert plane_strides == {"i32", "i64"}  # small caches and caches past 2**31 elements
 
 
 def test_no_spills_and_shared_memory_fits(variants):
