@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Everything issue 5 needs from a GPU machine, in two stages that each fit one 10-minute
+# Everything issue 5 needs from a GPU machine, in three stages that each fit one 10-minute
 # device call. Run from the repository root with the machine's own python (torch, triton,
 # transformers, pytest preinstalled; no fastapi needed):
 #
 #   bash benchmarks/gpu_session.sh kernels OUT_DIR   # GPU-marked tests, kernel_bench
-#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, offline and beam benchmarks
+#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam benchmark
+#   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #
 # Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-stage=${1:?usage: gpu_session.sh kernels|engine OUT_DIR}
-out=${2:?usage: gpu_session.sh kernels|engine OUT_DIR}
+usage="usage: gpu_session.sh kernels|engine|offline OUT_DIR"
+stage=${1:?$usage}
+out=${2:?$usage}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -40,13 +42,15 @@ kernels)
 engine)
     step step_latency "$python" benchmarks/step_latency.py --device cuda --dtype float16 \
         --result-file "$out/step_latency.json"
+    step beam_bench "$python" benchmarks/beam_bench.py --device cuda --dtype float16 \
+        --preset gpt2 --result-file "$out/beam_bench.json"
+    ;;
+offline)
     step offline_gpt2 "$python" benchmarks/offline_throughput.py --device cuda --dtype float16 \
         --preset gpt2 --num-requests 256 --result-file "$out/offline_gpt2.json"
     step offline_gpt2_medium "$python" benchmarks/offline_throughput.py --device cuda \
         --dtype float16 --preset gpt2-medium --num-requests 256 --repeats 1 \
         --result-file "$out/offline_gpt2_medium.json"
-    step beam_bench "$python" benchmarks/beam_bench.py --device cuda --dtype float16 \
-        --preset gpt2 --result-file "$out/beam_bench.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
