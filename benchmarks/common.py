@@ -21,8 +21,6 @@ GPT2_PRESETS = {
     "gpt2-large": (36, 1280, 20),
     "gpt2-xl": (48, 1600, 25),
 }
-
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
