@@ -101,10 +101,10 @@ from benchmarks.common import (  # noqa: E402
     write_checkpoint,
 )
 from engine import LLM, BeamSearchParams
+from engine.config import DTYPES
 from engine.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 4

@@ -73,8 +73,8 @@ from benchmarks.common import (  # noqa: E402
     write_checkpoint,
 )
 from engine import LLM, SamplingParams
+from engine.config import DTYPES
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16

@@ -44,8 +44,8 @@ from benchmarks.common import (  # noqa: E402
     write_checkpoint,
 )
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import DTYPES  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (layers, n_embd, heads): the released GPT-2 sizes and the smoke model.
 PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
 VOCAB, N_POSITIONS = 50257, 1024

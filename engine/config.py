@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {
+# The dtype names EngineConfig accepts.
+DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -77,8 +78,8 @@ class EngineConfig:
                 f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -98,4 +99,4 @@ class EngineConfig:
         """float32 on CPU and float16 on CUDA unless a dtype is named."""
         if self.dtype == "auto":
             return torch.float16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
