@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_manager import BlockManager
+from engine.sampler import BeamCandidates
 from engine.sampling_params import BeamSearchParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -60,6 +61,12 @@ class BeamState:
         """HF keeps (1 + number of stop tokens) x beam_width candidates, at least 2 x."""
         return max(2, 1 + len(self.stop_token_ids)) * self.params.beam_width
 
+    @property
+    def candidates_needed(self) -> int:
+        """Next tokens needed per beam: the candidates of a step plus the stop tokens that
+        min_tokens may mask out of them (see BeamCandidates)."""
+        return self.candidates_per_step + len(self.stop_token_ids)
+
     def hypotheses(self) -> list[Hypothesis]:
         return [h for h in self.slots if h is not None]
 
@@ -78,23 +85,30 @@ class BeamSearch:
         self.block_manager = block_manager
         self.new_seq_id = new_seq_id
 
-    def step(self, group: SequenceGroup, logprobs: torch.Tensor) -> None:
-        """logprobs: [num_live_beams, vocab] float32 log_softmax of each beam's logits."""
+    def step(self, group: SequenceGroup, candidates: BeamCandidates) -> None:
+        """candidates: each live beam's best next tokens, at least `candidates_needed` of them
+        (or the whole vocabulary), rows in the order of the group's unfinished beams."""
         state = group.beam
         assert state is not None
         beams = group.unfinished_seqs
         generated = beams[0].num_output_tokens
+        logprobs, token_ids = candidates.logprobs, candidates.token_ids
         if generated < state.params.min_tokens and state.stop_token_ids:
-            logprobs = logprobs.clone()
-            logprobs[:, state.stop_token_ids] = float("-inf")
+            stops = torch.isin(token_ids, torch.tensor(state.stop_token_ids))
+            logprobs = logprobs.masked_fill(stops, float("-inf"))
         if state.params.beam_width == 1:
-            self._greedy_step(group, beams[0], logprobs[0], generated)
+            best = int(logprobs[0].argmax())
+            self._greedy_step(
+                group, beams[0], int(token_ids[0, best]), logprobs[0, best], generated
+            )
             return
         width = state.params.beam_width
-        vocab = logprobs.shape[1]
+        per_beam = logprobs.shape[1]
         scores = (logprobs + state.running_scores[:, None]).reshape(-1)
         top_scores, top_index = scores.topk(state.candidates_per_step)
-        parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
+        parents = (top_index // per_beam).tolist()
+        tokens = token_ids.reshape(-1)[top_index].tolist()
+        token_logprobs = logprobs.reshape(-1)[top_index]
         at_max_len = generated + 1 >= state.max_new_tokens
         hits = torch.tensor([at_max_len or t in state.stop_token_ids for t in tokens])
 
@@ -105,18 +119,22 @@ class BeamSearch:
         self._advance(
             group,
             beams,
-            [(parents[i], tokens[i], logprobs[parents[i], tokens[i]]) for i in next_index],
+            [(parents[i], tokens[i], token_logprobs[i]) for i in next_index],
         )
         if self._is_done(state, generated + 1, bool(hits.all())):
             self._finish_group(group)
 
     def _greedy_step(
-        self, group: SequenceGroup, beam: Sequence, logprobs: torch.Tensor, generated: int
+        self,
+        group: SequenceGroup,
+        beam: Sequence,
+        token: int,
+        logprob: torch.Tensor,
+        generated: int,
     ) -> None:
         state = group.beam
-        token = int(logprobs.argmax())
-        state.running_scores = state.running_scores + logprobs[token]
-        beam.append_token(token, float(logprobs[token]), None)
+        state.running_scores = state.running_scores + logprob
+        beam.append_token(token, float(logprob), None)
         stopped = token in state.stop_token_ids
         if stopped or generated + 1 >= state.max_new_tokens:
             length = generated + 1

@@ -10,7 +10,13 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import CUDAGraphRunner
 from engine.models.gpt2 import GPT2LMHeadModel
-from engine.sampler import ModelRunnerOutput, Sampler, SamplerOutput, SamplingRequest
+from engine.sampler import (
+    BeamCandidates,
+    ModelRunnerOutput,
+    Sampler,
+    SamplerOutput,
+    SamplingRequest,
+)
 from engine.scheduler import SchedulerOutput
 
 
@@ -28,6 +34,7 @@ class StepInputs:
     sample_rows: list[int] = field(default_factory=list)  # token rows that sample a token
     beam_rows: list[int] = field(default_factory=list)  # token rows that feed beam search
     requests: list[SamplingRequest] = field(default_factory=list)
+    beam_candidates: int = 0  # top-k per beam row that every beam group of the step needs
 
 
 class ModelRunner:
@@ -97,10 +104,12 @@ class ModelRunner:
         sampled = SamplerOutput([], [], [])
         if step.requests:
             sampled = self.sampler(logits[:num_sampled], step.requests)
-        beam_logprobs = None
+        candidates = None
         if step.beam_rows:
-            beam_logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
-        return ModelRunnerOutput(sampled, beam_logprobs)
+            logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
+            values, token_ids = logprobs.topk(min(step.beam_candidates, logprobs.shape[1]))
+            candidates = BeamCandidates(values.cpu(), token_ids.cpu())
+        return ModelRunnerOutput(sampled, candidates)
 
     def _host_inputs(self, output: SchedulerOutput) -> StepInputs:
         step = StepInputs()
@@ -120,6 +129,9 @@ class ModelRunner:
             for target in item.sample_seqs:
                 if item.group.beam is not None:
                     step.beam_rows.append(len(step.input_ids) - 1)
+                    step.beam_candidates = max(
+                        step.beam_candidates, item.group.beam.candidates_needed
+                    )
                 else:
                     step.sample_rows.append(len(step.input_ids) - 1)
                     step.requests.append(SamplingRequest(item.group.sampling_params, target))

@@ -32,12 +32,29 @@ class SamplerOutput:
 
 
 @dataclass
+class BeamCandidates:
+    """Per beam-search row, its `k` most likely next tokens, best first, on the host.
+
+    Adding a beam's running score does not reorder its own tokens, so the best candidates
+    over all beams of a group are among each beam's top `k` whenever `k` is at least the
+    group's candidates per step plus its stop tokens (which min_tokens may mask out). The
+    runner reduces on the device and moves only these [rows, k] tensors, not [rows, vocab].
+    """
+
+    logprobs: torch.Tensor  # float32 [num_beam_rows, k], log_softmax of the logits
+    token_ids: torch.Tensor  # int64 [num_beam_rows, k]
+
+    def rows(self, index: list[int]) -> BeamCandidates:
+        return BeamCandidates(self.logprobs[index], self.token_ids[index])
+
+
+@dataclass
 class ModelRunnerOutput:
-    """A step's results: sampled tokens for sampling rows, and for beam-search rows the full
-    log-softmax over the vocabulary (BeamSearch ranks candidates across beams itself)."""
+    """A step's results: sampled tokens for sampling rows, and for beam-search rows their
+    best next-token candidates (BeamSearch ranks candidates across beams itself)."""
 
     sampled: SamplerOutput
-    beam_logprobs: torch.Tensor | None = None  # [num_beam_rows, vocab] float32
+    beam_candidates: BeamCandidates | None = None
 
 
 class Sampler:

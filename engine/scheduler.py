@@ -245,7 +245,7 @@ class Scheduler:
         sampled = result.sampled
         row = beam_row = 0
         updated: dict[int, SequenceGroup] = {}
-        beam_rows: dict[int, dict[int, int]] = {}  # group -> seq_id -> row of beam_logprobs
+        beam_rows: dict[int, dict[int, int]] = {}  # group -> seq_id -> row of beam_candidates
         for item in output.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             group = item.group
@@ -271,7 +271,8 @@ class Scheduler:
         for key, rows in beam_rows.items():
             group = updated[key]
             beams = group.unfinished_seqs
-            self.beam_search.step(group, result.beam_logprobs[[rows[b.seq_id] for b in beams]])
+            candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
+            self.beam_search.step(group, candidates)
             self.num_generation_tokens += len(beams)
             if group.first_token_time is None:
                 group.first_token_time = now

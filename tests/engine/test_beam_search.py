@@ -42,6 +42,7 @@ def hf_beam_search(hf, prompt: list[int], params: BeamSearchParams):
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
             max_new_tokens=params.max_tokens,
+            min_new_tokens=params.min_tokens,
             do_sample=False,
             output_scores=True,
             output_logits=True,
@@ -120,6 +121,26 @@ def test_beam_search_equals_transformers(eos_model_dir, hf_eos, cases, expected,
     if engine_kwargs["num_blocks"] < 1000:
         assert engine.stats().num_preemptions > 0
         assert max(shares) > 1
+
+
+def test_min_tokens_keeps_eos_out_of_the_first_steps(eos_model_dir, hf_eos):
+    """min_tokens masks the stop tokens among each beam's candidates (HF's min_new_tokens);
+    the runner hands beam search only the top candidates, so the mask must not starve it."""
+    vocab = hf_eos.config.vocab_size
+    cases = [
+        (prompt, BeamSearchParams(beam_width=width, max_tokens=24, min_tokens=min_tokens))
+        for prompt, (width, min_tokens) in zip(
+            sample_prompts(6, 3, 40, vocab, seed=9),
+            [(1, 6), (2, 10), (3, 24), (4, 5), (8, 12), (4, 1)],
+            strict=True,
+        )
+    ]
+    expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
+    engine = LLMEngine(EngineConfig(model=eos_model_dir, device="cpu", num_blocks=2048))
+    outputs = run_to_completion(engine, [p for p, _ in cases], [p for _, p in cases])
+    assert_same(outputs, expected, cases)
+    for output, (_, params) in zip(outputs, cases, strict=True):
+        assert all(len(o.token_ids) >= params.min_tokens for o in output.outputs)
 
 
 def test_block_accounting_of_forking_beams(eos_model_dir, hf_eos):

@@ -1,11 +1,15 @@
-"""The engine on a GPU: triton kernels + CUDA graphs give HF's greedy tokens; fp16 runs."""
+"""The engine on a GPU: triton kernels + CUDA graphs give HF's greedy tokens and beams; fp16
+runs."""
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
-from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import hf_greedy, run_to_completion
+from tests.engine.test_beam_search import assert_same, hf_beam_search, make_case
+
+NUM_BEAM_CASES = 60
 
 pytestmark = pytest.mark.gpu
 
@@ -40,3 +44,15 @@ def test_half_precision_runs_and_sizes_the_cache_from_memory(tiny_model_dir, dty
         ["The class", "A list"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )
     assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs)
+
+
+def test_beam_search_on_gpu_equals_hf(eos_model_dir, hf_eos):
+    """Beam candidates are reduced on the device and moved to the host (the core holds no
+    device tensors); HF on the CPU is the oracle."""
+    cases = [make_case(seed, hf_eos.config.vocab_size) for seed in range(NUM_BEAM_CASES)]
+    expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
+    engine = LLMEngine(
+        EngineConfig(model=eos_model_dir, device="cuda", dtype="float32", num_blocks=4096)
+    )
+    outputs = run_to_completion(engine, [p for p, _ in cases], [p for _, p in cases])
+    assert_same(outputs, expected, cases)
