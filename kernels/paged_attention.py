@@ -9,14 +9,20 @@ import torch
 import triton
 import triton.language as tl
 
-# Split-KV limits of the decode path (a split below this many keys costs more in its
-# partial write and reduce than it gains in parallelism).
-MIN_KEYS_PER_SPLIT = 256
+# Split-KV limits of the decode path, from kernel_bench --sweep on an H100 (GPT-2 heads,
+# fp16): splitting pays while a launch has fewer than SPLIT_BELOW_PROGRAMS_PER_SM programs
+# per SM (at batch 8 x 1024 keys, 8 splits ran 2.6x faster than one; at batch 64 and up,
+# splits only added their reduce), down to splits of one BLOCK_N tile; contexts under
+# MIN_CONTEXT_TO_SPLIT keys gained nothing from it.
+SPLIT_BELOW_PROGRAMS_PER_SM = 4
+MIN_CONTEXT_TO_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
+LOG2_E = 1.4426950408889634
 # Every tl.dot dimension must be >= 16 on the GPU compiler.
 MIN_DOT_DIM = 16
-# Triton's defaults, which the heuristics keep until a GPU sweep (kernel_bench --sweep) says
-# otherwise.
+# Triton's defaults; the heuristics below override them where kernel_bench --sweep showed
+# a better choice on an H100.
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
 
@@ -60,36 +66,79 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     """
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(block_m=32, block_n=32)
-    return PrefillConfig(block_m=64, block_n=64)
+    # Two stages: on an H100 this beat three at every swept shape (fp16, head_dim 64).
+    return PrefillConfig(block_m=64, block_n=64, num_stages=2)
 
 
-# 64 keys per iteration: a [64, head_dim] K and V tile in flight per program.
-DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=64)
+# 64 keys per iteration with two warps: the fastest or within 5% of it at every batch >= 64
+# of the H100 sweep (batch 1-256 x 128-1024 keys, GPT-2 heads, fp16).
+DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=2)
 
 
 def choose_num_splits(num_seqs: int, num_heads: int, max_seqlen_k: int, num_sms: int) -> int:
-    """Split-KV factor for the decode path: enough programs to fill the device, only for
-    contexts long enough that every split has MIN_KEYS_PER_SPLIT keys."""
+    """Split-KV factor for the decode path: splits until the launch has
+    SPLIT_BELOW_PROGRAMS_PER_SM programs per SM, only for contexts of MIN_CONTEXT_TO_SPLIT
+    keys or more and at most one split per MIN_KEYS_PER_SPLIT keys."""
     programs = num_seqs * num_heads
-    if programs >= num_sms or max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+    target = SPLIT_BELOW_PROGRAMS_PER_SM * num_sms
+    if programs >= target or max_seqlen_k < MIN_CONTEXT_TO_SPLIT:
         return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = triton.cdiv(target, programs)
     return max(1, min(wanted, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+@triton.jit
+def _prefill_tile(
+    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, head, dims, dim_mask, q_pos, seq_len,
+    start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h, block_size,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N-key step of the online softmax (base 2: qk_scale includes log2(e)).
+    MASKED tiles may hold keys past seq_len or after a query's own position; the others
+    are wholly visible to every query of the tile and skip the masks."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_mask = cols < seq_len
+    blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
+    slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
+    kv_offsets = slots[:, None] + head * cache_stride_h + dims[None, :]
+    kv_mask = col_mask[:, None] & dim_mask[None, :]
+    # other=0: slots past seq_len in a partial block may hold anything, NaN included.
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    if MASKED:
+        visible = (cols[None, :] <= q_pos[:, None]) & col_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:  # noqa: SIM108 -- a constexpr branch, resolved at compile time
+        # A row that has seen no key yet keeps m = -inf; subtracting it would give NaN.
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.exp2(s - m_new_safe[:, None])
+    alpha = tl.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    scale,
+    qk_scale,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
+    # The grid's last axis is launched last: reversed, the tiles with the most keys (the
+    # causal diagonal's far end) start first and the short ones fill the tail.
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return  # a shorter sequence of the batch: this tile has no query
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # query i sits at absolute position context + i
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,29 +156,23 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
-    # Causal: this tile's last query sees keys up to its own position.
-    kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < seq_len
-        blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
-        slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
-        kv_offsets = slots[:, None] + head * cache_stride_h + dims[None, :]
-        kv_mask = col_mask[:, None] & dim_mask[None, :]
-        # other=0: slots past seq_len in a partial block may hold anything, NaN included.
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        visible = (cols[None, :] <= q_pos[:, None]) & col_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no key yet keeps m = -inf; subtracting it would give NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    # Keys before the tile's first query position are visible to all its queries (and all
+    # exist): no masks there. The rest, up to the last query's position, are masked.
+    first_pos = context + tile * BLOCK_M
+    unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    for start in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, head, dims, dim_mask, q_pos,
+            seq_len, start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h,
+            block_size, BLOCK_N=BLOCK_N, MASKED=False,
+        )  # fmt: skip
+    for start in range(unmasked_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, head, dims, dim_mask, q_pos,
+            seq_len, start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h,
+            block_size, BLOCK_N=BLOCK_N, MASKED=True,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + dims[None, :],
@@ -142,7 +185,7 @@ def _prefill_kernel(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     block_tables_ptr, seq_lens_ptr,
-    scale, num_splits,
+    qk_scale, num_splits,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -175,12 +218,12 @@ def _decode_kernel(
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
+        s = tl.sum(k * q[None, :], axis=1) * qk_scale
         s = tl.where(col_mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe)
-        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp2(s - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
@@ -213,7 +256,7 @@ def _reduce_splits_kernel(
     m = tl.load(part_stats_ptr + parts * 2, mask=split_mask, other=float("-inf"))
     l = tl.load(part_stats_ptr + parts * 2 + 1, mask=split_mask, other=0.0)  # noqa: E741
     m_max = tl.max(m, axis=0)  # split 0 always has keys: finite
-    weights = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    weights = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # maxima in base 2
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     acc = tl.load(
@@ -292,6 +335,8 @@ def paged_attention(
     if num_tokens == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
+    # The kernels' online softmax runs in base 2 (exp2 is one instruction): fold log2(e) in.
+    qk_scale = scale * LOG2_E
     common = (
         k_cache.stride(0),
         k_cache.stride(1),
@@ -303,7 +348,7 @@ def paged_attention(
         tiles = prefill or prefill_config(head_dim, q.dtype)
         grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, tiles.block_m))
         _prefill_kernel[grid](
-            q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale,
+            q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -324,7 +369,7 @@ def paged_attention(
     )
     launch = decode or DEFAULT_DECODE_CONFIG
     _decode_kernel[(num_seqs, num_heads, splits)](
-        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, scale, splits,
+        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, qk_scale, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, WRITE_PARTIAL=splits > 1,
         num_warps=launch.num_warps,

@@ -5,6 +5,7 @@ import torch
 
 from kernels.paged_attention import (
     MIN_DOT_DIM,
+    MIN_KEYS_PER_SPLIT,
     DecodeConfig,
     PrefillConfig,
     choose_num_splits,
@@ -24,6 +25,9 @@ CASES = {
     "exact_block_multiples": ([8, 1], [16, 32], 8),
     "kv_len_1": ([1], [1], 4),
     "long_prompt_spanning_tiles": ([70], [70], 16),
+    # Tiles past a short sequence's queries exit early; a later tile's keys before its first
+    # query are read without masks, the rest masked, across a context of 50.
+    "varlen_chunks_spanning_tiles": ([40, 3, 1], [90, 50, 17], 4),
 }
 
 
@@ -122,5 +126,10 @@ def test_split_heuristic_only_splits_long_contexts_on_an_underfilled_device():
     assert choose_num_splits(num_seqs=256, num_heads=12, max_seqlen_k=1024, num_sms=132) == 1
     assert choose_num_splits(num_seqs=1, num_heads=12, max_seqlen_k=128, num_sms=132) == 1
     splits = choose_num_splits(num_seqs=1, num_heads=12, max_seqlen_k=1024, num_sms=132)
-    assert 1 < splits <= 1024 // 256
+    assert 1 < splits <= 1024 // MIN_KEYS_PER_SPLIT
+    # Enough programs already (4 per SM): no reduce to pay for.
+    assert choose_num_splits(num_seqs=64, num_heads=12, max_seqlen_k=1024, num_sms=132) == 1
+    # A few programs per SM: split, but never below MIN_KEYS_PER_SPLIT keys per split.
+    assert choose_num_splits(num_seqs=8, num_heads=12, max_seqlen_k=512, num_sms=132) == 6
+    assert choose_num_splits(num_seqs=1, num_heads=12, max_seqlen_k=256, num_sms=132) == 4
     assert choose_num_splits(num_seqs=2, num_heads=12, max_seqlen_k=65536, num_sms=132) <= 16
