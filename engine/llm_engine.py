@@ -135,6 +135,9 @@ class LLMEngine:
                 model, backend, config.max_num_batched_tokens, config.max_num_seqs,
                 self.max_model_len, config.block_size,
             )  # fmt: skip
+            # Blocks torch's allocator caches but no tensor holds (a previous engine's, say)
+            # are free for this cache: hand them back before reading the device's free memory.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * config.gpu_memory_utilization - (total - free) - activation
         else:

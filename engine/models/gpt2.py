@@ -142,6 +142,8 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
+        # lm_head's weight padded with zero rows (pad_lm_head); None computes it unpadded.
+        self.lm_head_padded: torch.Tensor | None = None
 
     def forward(
         self,
@@ -155,5 +157,27 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, kv_cache[layer], metadata)
         return self.ln_f(x)
 
+    def pad_lm_head(self, multiple: int) -> None:
+        """Stores lm_head's weight with zero rows up to a multiple of `multiple`, so that the
+        logits' row stride is aligned for the matrix units; compute_logits drops the padded
+        columns. The weight (and the tied embedding) become views of the padded tensor: no
+        second copy is kept. Call once, after loading and the final dtype cast."""
+        weight = self.lm_head.weight
+        vocab = weight.shape[0]
+        rows = -(-vocab // multiple) * multiple
+        if rows == vocab:
+            return
+        padded = weight.new_zeros(rows, weight.shape[1])
+        with torch.no_grad():
+            padded[:vocab] = weight
+        view = nn.Parameter(padded[:vocab], requires_grad=False)
+        if self.lm_head.weight is self.wte.weight:
+            self.wte.weight = view
+        self.lm_head.weight = view
+        self.lm_head_padded = padded
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        if self.lm_head_padded is None:
+            return self.lm_head(hidden).float()
+        logits = F.linear(hidden, self.lm_head_padded)  # [S, padded vocab]
+        return logits[:, : self.config.vocab_size].float()

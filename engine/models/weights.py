@@ -22,6 +22,10 @@ DUMMY_PRESETS = {
 }
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
 DUMMY_INIT_STD = 0.02
+# On CUDA the LM head's rows are padded to this multiple (see GPT2LMHeadModel.pad_lm_head):
+# with GPT-2's 50257 output columns cuBLAS chose an sm75 align-1 kernel that took 211 us of
+# an H100 decode step at batch 256 (benchmarks/profile_decode.py).
+CUDA_LM_HEAD_ROW_MULTIPLE = 64
 _HUB_FILES = [
     "config.json",
     "generation_config.json",
@@ -87,6 +91,8 @@ def load_model(
     if config.tie_word_embeddings:
         net.lm_head.weight = net.wte.weight  # to_empty re-creates parameters: tie again
     net = net.to(dtype).eval()
+    if device.type == "cuda":
+        net.pad_lm_head(CUDA_LM_HEAD_ROW_MULTIPLE)
 
     tokenizer = None
     if path is not None and (path / "tokenizer.json").is_file():

@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,27 @@ def test_dummy_weights_build_any_config_and_are_seeded(tmp_path):
     assert not torch.equal(a.h[0].attn.c_attn.weight, c.h[0].attn.c_attn.weight)
     assert a.lm_head.weight is a.wte.weight
     assert a.config == GPT2Config.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_padded_lm_head_gives_the_same_logits_without_a_second_copy(tmp_path, tied):
+    """pad_lm_head (what CUDA loading applies) changes the logits' layout, not their values;
+    the tied embedding stays one tensor."""
+    spec = TinySpec(n_layer=1)
+    config = json.loads((Path(make_checkpoint(tmp_path, spec)) / "config.json").read_text())
+    config |= {"vocab_size": 509, "tie_word_embeddings": tied}  # 509: not a multiple of 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(
+        str(tmp_path), "dummy", TorchAttentionBackend(), torch.device("cpu"), torch.float32, 0
+    ).model
+    hidden = torch.randn(7, spec.n_embd, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.compute_logits(hidden)
+        model.pad_lm_head(64)
+        got = model.compute_logits(hidden)
+    assert model.lm_head_padded.shape == (512, spec.n_embd)
+    assert model.lm_head_padded[509:].eq(0).all()
+    assert got.shape == expected.shape == (7, 509)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert model.lm_head.weight.data_ptr() == model.lm_head_padded.data_ptr()
+    assert (model.wte.weight.data_ptr() == model.lm_head_padded.data_ptr()) == tied
