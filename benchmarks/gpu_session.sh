@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Everything issue 5 needs from a GPU machine, in three stages that each fit one 10-minute
+# Every GPU measurement (issues 5 and 10), in three stages that each fit one 10-minute
 # device call. Run from the repository root with the machine's own python (torch, triton,
 # transformers, pytest preinstalled; no fastapi needed):
 #
 #   bash benchmarks/gpu_session.sh kernels OUT_DIR   # GPU-marked tests, kernel_bench
-#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam benchmark
+#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam benchmark, profile
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #
 # Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
@@ -44,6 +44,8 @@ engine)
         --result-file "$out/step_latency.json"
     step beam_bench "$python" benchmarks/beam_bench.py --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/beam_bench.json"
+    step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
+        --preset gpt2 --result-file "$out/profile_decode.json"
     ;;
 offline)
     step offline_gpt2 "$python" benchmarks/offline_throughput.py --device cuda --dtype float16 \

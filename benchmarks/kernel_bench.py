@@ -1,11 +1,15 @@
 """Kernel benchmark (GPU): paged attention against SDPA and against the device's copy bandwidth.
 
-Decode: batch {1, 8, 32, 128, 256} x context {128, 512, 1024}, GPT-2 small heads (12 x 64),
-fp16, block size 16, blocks scattered through a large cache. Bandwidth = K/V bytes read /
-time; compared with SDPA on the same keys gathered densely ([B, H, ctx, D], gather not
+Decode: batch {1, 8, 32, 64, 128, 256} x context {128, 512, 1024}, GPT-2 small heads
+(12 x 64), fp16, block size 16, blocks scattered through a large cache. Bandwidth = K/V bytes
+read / time; compared with SDPA on the same keys gathered densely ([B, H, ctx, D], gather not
 timed) and with the measured device-to-device copy bandwidth (read + write bytes / time of
 a 1 GiB copy). Prefill: causal self-attention of batch x length prompts; TFLOP/s =
 2 * 2 * B * H * L^2 * D / 2 / time (causal half), against SDPA(is_causal=True) on dense data.
+Every call is timed from CUDA graph replays (as the engine runs decode steps: no launch
+overhead), rotating over enough input sets that K/V come from device memory, not L2.
+--sweep also times every decode launch config x split factor over a grid of batch x
+context, and prefill tile configs, to pick the heuristics from.
 
 Goals (issue 5): decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
 prefill >= 80% of SDPA's TFLOP/s.
@@ -24,8 +28,10 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -59,6 +65,11 @@ GOAL_MIN_BATCH, GOAL_MIN_CONTEXT = 64, 512
 DECODE_GOAL, PREFILL_GOAL = 0.7, 0.8
 # CPU timing (smoke runs): calls averaged after one warm-up call.
 CPU_TIMING_REPS = 2
+# CUDA timing: graph replays per measurement (the median is kept), and input sets rotated
+# through until one replay reads this many times the L2 cache (at most MAX_INPUT_SETS sets).
+GRAPH_REPLAYS = 20
+L2_MULTIPLE = 2
+MAX_INPUT_SETS = 32
 
 
 @dataclass(frozen=True)
@@ -75,21 +86,25 @@ class Shapes:
     sweep_decode_shapes: tuple[tuple[int, int], ...]  # (batch, context)
     sweep_prefill_shapes: tuple[tuple[int, int], ...]  # (batch, length)
     decode_candidates: tuple[DecodeConfig, ...]
+    decode_split_candidates: tuple[int, ...]
     prefill_candidates: tuple[PrefillConfig, ...]
 
 
 FULL = Shapes(
     heads=12,
     dtype=torch.float16,
-    decode_batches=(1, 8, 32, 128, 256),
+    decode_batches=(1, 8, 32, 64, 128, 256),
     decode_contexts=(128, 512, 1024),
     prefill_shapes=((1, 512), (1, 1024), (8, 512), (8, 1024), (32, 512)),
     copy_bytes=1 << 30,
-    sweep_decode_shapes=((8, 1024), (64, 512), (128, 1024), (256, 512)),
+    sweep_decode_shapes=tuple(
+        (batch, context) for batch in (1, 8, 32, 64, 128, 256) for context in (128, 512, 1024)
+    ),
     sweep_prefill_shapes=((1, 1024), (8, 512), (32, 512)),
     decode_candidates=tuple(
         DecodeConfig(block_n, num_warps) for block_n in (32, 64, 128) for num_warps in (2, 4, 8)
     ),
+    decode_split_candidates=(1, 2, 4, 8),
     prefill_candidates=tuple(
         PrefillConfig(block_m, block_n, num_warps, num_stages)
         for block_m, block_n, num_warps in (
@@ -113,25 +128,59 @@ SMOKE = Shapes(
     sweep_decode_shapes=((2, 24),),
     sweep_prefill_shapes=((1, 20),),
     decode_candidates=(DecodeConfig(16, num_warps=2), DecodeConfig(32)),
+    decode_split_candidates=(1,),
     prefill_candidates=(PrefillConfig(16, 16), PrefillConfig(16, 32, num_stages=2)),
 )
 
 
-def time_ms(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-    fn()
-    start = time.perf_counter()
-    for _ in range(CPU_TIMING_REPS):
-        fn()
-    return (time.perf_counter() - start) / CPU_TIMING_REPS * 1e3
+def time_ms(calls: list[Callable[[], object]], device: torch.device) -> float:
+    """Time of one call. On CUDA: all calls captured in one CUDA graph (as the engine replays
+    its decode steps: no launch overhead), the median replay over GRAPH_REPLAYS divided by
+    the number of calls. The calls should rotate over input sets (see input_sets) so that
+    they read device memory, not the L2 cache. On the CPU: the first call, averaged."""
+    if device.type != "cuda":
+        calls[0]()
+        start = time.perf_counter()
+        for _ in range(CPU_TIMING_REPS):
+            calls[0]()
+        return (time.perf_counter() - start) / CPU_TIMING_REPS * 1e3
+    for call in calls:  # compiles, and allocates outside the graph's capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(GRAPH_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
+def num_input_sets(device: torch.device, bytes_read: int) -> int:
+    """Input sets to rotate over so that one graph replay reads L2_MULTIPLE x the L2 cache."""
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(MAX_INPUT_SETS, -(-L2_MULTIPLE * l2 // bytes_read)))
 
 
 def copy_bandwidth(shapes: Shapes, device: torch.device) -> float:
     """Bytes per second moved (read + write) by a device-to-device copy."""
     src = torch.empty(shapes.copy_bytes // shapes.dtype.itemsize, dtype=shapes.dtype, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(partial(dst.copy_, src), device)
+    if device.type == "cuda":
+        # Eager, not from a graph: on the H100 a captured copy_ (a memcpy node in the graph)
+        # moved 2418 GB/s where the eager copy moved 3004 GB/s.
+        ms = triton.testing.do_bench(partial(dst.copy_, src), return_mode="median")
+    else:
+        ms = time_ms([partial(dst.copy_, src)], device)
     return 2 * shapes.copy_bytes / (ms / 1e3)
 
 
@@ -155,19 +204,36 @@ def paged_inputs(shapes: Shapes, device: torch.device, batch: int, context: int,
     return q, k_cache, v_cache, block_tables, seq_lens, cu, dense_k, dense_v
 
 
+def input_sets(shapes: Shapes, device: torch.device, batch: int, context: int, query_len: int):
+    """paged_inputs, as many independent sets as num_input_sets asks for the K/V bytes."""
+    kv_bytes = 2 * batch * context * shapes.heads * HEAD_DIM * shapes.dtype.itemsize
+    count = num_input_sets(device, kv_bytes)
+    return [paged_inputs(shapes, device, batch, context, query_len) for _ in range(count)]
+
+
 def bench_decode(shapes: Shapes, device: torch.device, copy_bw: float) -> list[dict]:
     rows = []
-    heads = shapes.heads
+    heads, scale = shapes.heads, HEAD_DIM**-0.5
     for batch in shapes.decode_batches:
         for context in shapes.decode_contexts:
-            q, kc, vc, bt, sl, cu, dk, dv = paged_inputs(shapes, device, batch, context, 1)
-            out = torch.empty_like(q)
-            scale = HEAD_DIM**-0.5
+            sets = input_sets(shapes, device, batch, context, 1)
             ours = time_ms(
-                partial(paged_attention, q, kc, vc, bt, sl, cu, 1, context, out, scale), device
-            )
-            dense_q = q.view(batch, heads, 1, HEAD_DIM)
-            sdpa = time_ms(partial(F.scaled_dot_product_attention, dense_q, dk, dv), device)
+                [
+                    partial(paged_attention, q, kc, vc, bt, sl, cu, 1, context,
+                            torch.empty_like(q), scale)
+                    for q, kc, vc, bt, sl, cu, _, _ in sets
+                ],
+                device,
+            )  # fmt: skip
+            sdpa = time_ms(
+                [
+                    partial(F.scaled_dot_product_attention, q.view(batch, heads, 1, HEAD_DIM),
+                            dk, dv)
+                    for q, _, _, _, _, _, dk, dv in sets
+                ],
+                device,
+            )  # fmt: skip
+            del sets
             kv_bytes = 2 * batch * context * heads * HEAD_DIM * shapes.dtype.itemsize
             bw = kv_bytes / (ours / 1e3)
             splits = choose_num_splits(batch, heads, context, num_sms(device))
@@ -186,17 +252,17 @@ def bench_decode(shapes: Shapes, device: torch.device, copy_bw: float) -> list[d
 
 def bench_prefill(shapes: Shapes, device: torch.device) -> list[dict]:
     rows = []
-    heads = shapes.heads
+    heads, scale = shapes.heads, HEAD_DIM**-0.5
     for batch, length in shapes.prefill_shapes:
         q, kc, vc, bt, sl, cu, dk, dv = paged_inputs(shapes, device, batch, length, length)
-        out = torch.empty_like(q)
-        scale = HEAD_DIM**-0.5
         ours = time_ms(
-            partial(paged_attention, q, kc, vc, bt, sl, cu, length, length, out, scale), device
-        )
+            [partial(paged_attention, q, kc, vc, bt, sl, cu, length, length,
+                     torch.empty_like(q), scale)],
+            device,
+        )  # fmt: skip
         dense_q = q.view(batch, length, heads, HEAD_DIM).transpose(1, 2).contiguous()
         sdpa = time_ms(
-            partial(F.scaled_dot_product_attention, dense_q, dk, dv, is_causal=True), device
+            [partial(F.scaled_dot_product_attention, dense_q, dk, dv, is_causal=True)], device
         )
         flops = 2 * 2 * batch * heads * length * length * HEAD_DIM / 2
         rows.append({
@@ -218,19 +284,27 @@ def bench_sweep(shapes: Shapes, device: torch.device, copy_bw: float) -> dict[st
     heads, scale = shapes.heads, HEAD_DIM**-0.5
     rows: dict[str, list[dict]] = {"decode": [], "prefill": []}
     for batch, context in shapes.sweep_decode_shapes:
-        q, kc, vc, bt, sl, cu, _, _ = paged_inputs(shapes, device, batch, context, 1)
+        sets = input_sets(shapes, device, batch, context, 1)
         kv_bytes = 2 * batch * context * heads * HEAD_DIM * shapes.dtype.itemsize
         candidates = []
         for config in shapes.decode_candidates:
-            run = partial(
-                paged_attention, q, kc, vc, bt, sl, cu, 1, context, torch.empty_like(q), scale,
-                decode=config,
-            )  # fmt: skip
-            row = {"batch": batch, "context": context, "config": asdict(config)}
-            row |= _timed(run, device)
-            if "ms" in row:
-                row["fraction_of_copy_bw"] = kv_bytes / (row["ms"] / 1e3) / copy_bw
-            candidates.append(row)
+            for splits in shapes.decode_split_candidates:
+                if splits > 1 and context // splits < config.block_n:
+                    continue  # splits with no keys
+                runs = [
+                    partial(paged_attention, q, kc, vc, bt, sl, cu, 1, context,
+                            torch.empty_like(q), scale, splits, decode=config)
+                    for q, kc, vc, bt, sl, cu, _, _ in sets
+                ]  # fmt: skip
+                row = {
+                    "batch": batch, "context": context, "config": asdict(config),
+                    "num_splits": splits,
+                }  # fmt: skip
+                row |= _timed(runs, device)
+                if "ms" in row:
+                    row["fraction_of_copy_bw"] = kv_bytes / (row["ms"] / 1e3) / copy_bw
+                candidates.append(row)
+        del sets
         _print_best(f"decode b={batch} ctx={context}", candidates, "fraction_of_copy_bw")
         rows["decode"] += candidates
     for batch, length in shapes.sweep_prefill_shapes:
@@ -243,7 +317,7 @@ def bench_sweep(shapes: Shapes, device: torch.device, copy_bw: float) -> dict[st
                 scale, prefill=config,
             )  # fmt: skip
             row = {"batch": batch, "length": length, "config": asdict(config)}
-            row |= _timed(run, device)
+            row |= _timed([run], device)
             if "ms" in row:
                 row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
             candidates.append(row)
@@ -252,9 +326,9 @@ def bench_sweep(shapes: Shapes, device: torch.device, copy_bw: float) -> dict[st
     return rows
 
 
-def _timed(run, device: torch.device) -> dict:
+def _timed(runs: list[Callable[[], object]], device: torch.device) -> dict:
     try:
-        return {"ms": time_ms(run, device)}
+        return {"ms": time_ms(runs, device)}
     except Exception as error:  # noqa: BLE001 -- a config the device rejects is a result
         return {"error": f"{type(error).__name__}: {error}"[:200]}
 
@@ -264,7 +338,11 @@ def _print_best(label: str, candidates: list[dict], metric: str) -> None:
     failed = len(candidates) - len(ran)
     if ran:
         best = min(ran, key=lambda r: r["ms"])
-        print(f"sweep {label}: best {best['config']} {metric}={best[metric]:.3g} ({failed} failed)")
+        splits = f" splits={best['num_splits']}" if "num_splits" in best else ""
+        print(
+            f"sweep {label}: best {best['config']}{splits} {metric}={best[metric]:.3g} "
+            f"({failed} failed)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

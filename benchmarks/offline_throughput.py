@@ -376,7 +376,7 @@ def bench_hf_cb(
             "added with manager.add_request(max_new_tokens=its own length, eos_token_id=-1), so "
             "every request generates exactly its length. Manager creation, cache allocation and "
             "warm-up are outside the timing. Config: page_size="
-            f"{cb_config.page_size}, num_blocks={cb_config.num_blocks}, max_batch_tokens="
+            f"{HF_CB_PAGE_SIZE}, num_blocks={cb_config.num_blocks}, max_batch_tokens="
             f"{cb_config.max_batch_tokens}, max_requests_per_batch="
             f"{cb_config.max_requests_per_batch}."
         ),

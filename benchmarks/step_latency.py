@@ -50,6 +50,7 @@ from engine.config import DTYPES  # noqa: E402
 PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
 VOCAB, N_POSITIONS = 50257, 1024
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1
+KV_BLOCK_SIZE = 16  # the engine's default block size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,6 +72,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.layers, args.hidden, args.heads = PRESETS[args.preset]
     args.vocab, args.n_positions = VOCAB, N_POSITIONS
     return args
+
+
+def kv_blocks_needed(args: argparse.Namespace) -> int:
+    """A KV cache sized to the workload (the largest batch's prompts and steps, or one
+    sequence of n_positions, plus the null block) rather than to the device: a second
+    engine in this process must not depend on the first one's cache being released (on an
+    H100 the eager engine once found the device still full after the graph engine)."""
+    per_seq = -(-(args.prompt_len + args.steps + 1) // KV_BLOCK_SIZE)
+    longest = -(-args.n_positions // KV_BLOCK_SIZE)
+    return max(max(args.batches) * per_seq, longest) + 1
 
 
 def prompts(args: argparse.Namespace, batch: int) -> list[list[int]]:
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             config = EngineConfig(
                 model=str(folder), device=args.device, dtype=args.dtype,
                 max_num_seqs=max(args.batches), enforce_eager=mode == "eager", seed=args.seed,
+                num_blocks=kv_blocks_needed(args),
             )  # fmt: skip
             engine = LLMEngine(config)
             octavo_steps_ms(engine, args, 1)  # warm-up: kernels compiled, allocator primed

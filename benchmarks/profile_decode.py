@@ -1,0 +1,301 @@
+"""Profile of one steady decode step: how much of a step the GPU is busy, and where the host
+time goes, at several batch sizes (CUDA graphs on unless --enforce-eager).
+
+For each batch size, `batch` requests of --prompt-len random tokens are prefilled, then
+--warmup-steps decode steps run untimed. Three passes of --steps decode steps each follow:
+  1. wall: perf_counter around every `engine.step()` (no profiler attached): the step time.
+  2. gpu: torch.profiler with CPU and CUDA activities; the union of the device's kernel and
+     memcpy intervals inside the profiled steps over their wall time = GPU busy fraction
+     (on CUDA only). The profiler slows the host, so this pass's wall time is reported
+     apart and the busy fraction is a lower bound when the host is the limit.
+  3. host: cProfile of the same steps: cumulative time of the engine's own phases
+     (schedule, execute and its parts, update, outputs) per step.
+Whether the host path or the kernels limit throughput is read off pass 1 vs the GPU-busy
+time of pass 2: a step much longer than its GPU time is host-bound. The bandwidth roofline
+of a step is the bytes it must read (every weight, every running sequence's K/V) over the
+measured device-to-device copy bandwidth.
+
+    python benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2
+    python benchmarks/profile_decode.py --smoke --result-file /tmp/p.json
+
+--smoke: a 2-layer model on the CPU, a few steps, to check the script; its numbers mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+try:
+    import engine  # noqa: F401
+except ImportError:  # run as a plain script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import GPT2_PRESETS, default_result_file, machine_info, write_checkpoint
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import DTYPES  # noqa: E402
+
+PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
+VOCAB, N_POSITIONS = 50257, 1024
+SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 3, 1
+COPY_BYTES = 1 << 30
+STEP_ANNOTATION = "octavo_step"
+# The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
+PHASES = (
+    ("schedule", "scheduler.py", "schedule"),
+    ("execute.host_inputs", "model_runner.py", "_host_inputs"),
+    ("execute.graph_replay", "cuda_graphs.py", "run"),
+    ("execute.forward_eager", "model_runner.py", "_forward"),
+    ("execute.sample", "sampler.py", "__call__"),
+    ("update", "scheduler.py", "update"),
+    ("outputs", "outputs.py", "from_group"),
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.dtype, args.device = "smoke", "float32", "cpu"
+        args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
+        args.prompt_len = 8
+    args.layers, args.hidden, args.heads = PRESETS[args.preset]
+    args.vocab, args.n_positions = VOCAB, N_POSITIONS
+    return args
+
+
+def start_decoding(engine: LLMEngine, args: argparse.Namespace, batch: int) -> None:
+    """Adds the batch and steps until every request is past its prefill and warm-up."""
+    generator = torch.Generator().manual_seed(args.seed + batch)
+    prompts = torch.randint(0, args.vocab, (batch, args.prompt_len), generator=generator)
+    # Enough tokens for the warm-up and the three passes, so no request ends mid-profile.
+    max_tokens = args.warmup_steps + 3 * args.steps + 2
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts.tolist()):
+        engine.add_request(f"p{batch}-{i}", prompt, params)
+    running = engine.scheduler.running
+    while sum(g.seqs[0].num_computed_tokens >= args.prompt_len for g in running) < batch:
+        engine.step()
+    for _ in range(args.warmup_steps):
+        engine.step()
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Bytes per second (read + write) of a 1 GiB device-to-device copy; None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * COPY_BYTES / (ms / 1e3)
+
+
+def bytes_per_step(engine: LLMEngine) -> int:
+    """The least a decode step must read: every weight once (the LM head is the tied
+    embedding) and the K and V of every running sequence's context, all layers."""
+    model = engine.runner.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    kv_per_token = config.n_layer * 2 * config.n_embd * engine.runner.kv_cache.element_size()
+    tokens = sum(seq.num_computed_tokens for g in engine.scheduler.running for seq in g.seqs)
+    return weights + kv_per_token * tokens
+
+
+def wall_pass(engine: LLMEngine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        total += end - max(start, end_so_far)
+        end_so_far = end
+    return total
+
+
+def gpu_pass(engine: LLMEngine, steps: int, cuda: bool) -> dict:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function(STEP_ANNOTATION):
+                engine.step()
+    events = prof.events()
+    step_ranges = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name == STEP_ANNOTATION and e.device_type == DeviceType.CPU
+    ]
+    window_start, window_end = step_ranges[0][0], step_ranges[-1][1]
+    window_us = window_end - window_start
+    # The step's own annotation also has a device-side span (first to last kernel of the
+    # step): it is not work, and counting it would hide the gaps between kernels.
+    device_events = [
+        e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_ANNOTATION
+    ]
+    busy = [
+        (max(e.time_range.start, window_start), min(e.time_range.end, window_end))
+        for e in device_events
+        if e.time_range.end > window_start and e.time_range.start < window_end
+    ]
+    top_kernels = sorted(
+        (
+            {"name": k.key[:120], "count": k.count, "device_us": k.self_device_time_total}
+            for k in prof.key_averages()
+            if k.self_device_time_total > 0 and k.key != STEP_ANNOTATION
+        ),
+        key=lambda k: -k["device_us"],
+    )[:12]
+    top_host_ops = sorted(
+        (
+            {"name": k.key[:120], "count": k.count, "self_cpu_us": k.self_cpu_time_total}
+            for k in prof.key_averages()
+            if k.key != STEP_ANNOTATION
+        ),
+        key=lambda k: -k["self_cpu_us"],
+    )[:12]
+    return {
+        "profiled_step_ms": window_us / 1e3 / steps,
+        "gpu_busy_ms_per_step": union_us(busy) / 1e3 / steps if cuda else None,
+        "gpu_busy_fraction": union_us(busy) / window_us if cuda else None,
+        "top_kernels": top_kernels,
+        "top_host_ops": top_host_ops,
+    }
+
+
+def host_pass(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Milliseconds per step spent in each engine phase (cumulative, as cProfile sees it)."""
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    total_ms = (time.perf_counter() - start) * 1e3
+    stats = pstats.Stats(profiler).stats
+    phases = {"step_total_under_cprofile": total_ms / steps}
+    for label, suffix, function in PHASES:
+        cumulative = sum(
+            entry[3] for (path, _, name), entry in stats.items()
+            if path.endswith(suffix) and name == function
+        )  # fmt: skip
+        phases[label] = cumulative * 1e3 / steps
+    return phases
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="octavo_profile_") as tmp:
+        folder = Path(tmp)
+        write_checkpoint(folder, args)
+        config = EngineConfig(
+            model=str(folder), device=args.device, dtype=args.dtype,
+            max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager, seed=args.seed,
+            max_num_batched_tokens=max(2048, max(args.batches)),
+        )  # fmt: skip
+        engine = LLMEngine(config)
+        bandwidth = copy_bandwidth(args.device)
+        for batch in args.batches:
+            start_decoding(engine, args, batch)
+            wall = wall_pass(engine, args.steps // 2)
+            step_bytes = bytes_per_step(engine)  # the middle of the wall pass
+            wall += wall_pass(engine, args.steps - args.steps // 2)
+            gpu = gpu_pass(engine, args.steps, cuda)
+            host = host_pass(engine, args.steps)
+            for group in list(engine.scheduler.running):
+                engine.abort_request(group.request_id)  # frees its blocks at once
+            median = statistics.median(wall)
+            roofline_ms = step_bytes / bandwidth * 1e3 if bandwidth else None
+            row = {
+                "batch": batch,
+                "step_ms_median": median,
+                "output_tokens_per_s": batch / (median / 1e3),
+                "bytes_per_step": step_bytes,
+                "roofline_step_ms": roofline_ms,
+                "fraction_of_roofline": roofline_ms / median if roofline_ms else None,
+                **gpu,
+                "host_phases_ms_per_step": host,
+            }
+            rows.append(row)
+            busy = row["gpu_busy_ms_per_step"]
+            busy_text = (
+                "n/a"
+                if busy is None
+                else (f"{busy:.3f} ms/step ({row['gpu_busy_fraction']:.0%} of the profiled steps)")
+            )
+            roof_text = (
+                "n/a"
+                if roofline_ms is None
+                else (f"{roofline_ms:.3f} ms ({roofline_ms / median:.0%} of the step)")
+            )
+            print(
+                f"batch {batch:4d}: step {median:.3f} ms, GPU busy {busy_text}, "
+                f"bandwidth roofline {roof_text}"
+            )
+            print("   host phases (ms/step, cProfile): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in host.items()
+            ))  # fmt: skip
+    result = {
+        "benchmark": "profile_decode",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(args.device),
+        "settings": {
+            key: getattr(args, key)
+            for key in (
+                "preset",
+                "dtype",
+                "batches",
+                "prompt_len",
+                "steps",
+                "warmup_steps",
+                "enforce_eager",
+                "seed",
+                "smoke",
+            )
+        },  # fmt: skip
+        "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
+        "rows": rows,
+    }
+    path = args.result_file or default_result_file("profile_decode", args.device, args.preset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
