@@ -6,7 +6,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import EngineStats, LLMEngine, ProcessedPrompt
@@ -25,6 +25,10 @@ class QueueFullError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down (or its loop died) and takes no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this request raised inside the engine; the engine serves the others on."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class AsyncEngine:
         self._accepting = True
         self._dead: BaseException | None = None
         self._shutdown: asyncio.Future[None] | None = None
+        self._fatal_handler: Callable[[BaseException], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -110,6 +115,11 @@ class AsyncEngine:
         self._commands.put(_Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+
+    def on_fatal(self, handler: Callable[[BaseException], None]) -> None:
+        """Registers what runs on the event loop, after every stream got its error, when a
+        step itself fails (the loop cannot go on): the server exits so that it is restarted."""
+        self._fatal_handler = handler
 
     @property
     def accepting(self) -> bool:
@@ -216,6 +226,11 @@ class AsyncEngine:
             )
         except ValueError as exc:  # e.g. an id reused after its stream closed
             self._deliver_error(command.request_id, exc)
+        except Exception as exc:  # noqa: BLE001 -- fails this request, not the loop
+            logger.exception("adding request %s failed", command.request_id)
+            self._deliver_error(
+                command.request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")
+            )
         finally:
             with self._lock:
                 self._num_pending_adds -= 1
@@ -238,7 +253,11 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if output.error is not None:
+                stream.put_nowait(RequestFailedError(output.error))
+            else:
                 stream.put_nowait(output)
 
     def _deliver_one_error(self, request_id: str, exc: BaseException) -> None:
@@ -249,3 +268,5 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(EngineStoppedError(f"the engine loop died: {exc!r}"))
+        if self._fatal_handler is not None:
+            self._fatal_handler(exc)

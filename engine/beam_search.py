@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,24 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 # Hugging Face marks impossible candidates and empty hypothesis slots with this score; using
 # the same float32 arithmetic keeps every ranking, ties included, identical to theirs.
 NEG_INF_SCORE = -1.0e9
+
+
+def length_normalizer(length: int, length_penalty: float) -> float:
+    """`length ** length_penalty` as HF computes it, but an overflow gives inf (the score
+    then rounds to 0) instead of raising: any finite length_penalty is a valid request."""
+    try:
+        return math.pow(length, length_penalty)
+    except OverflowError:
+        return math.inf
+
+
+def normalized_score(cumulative_logprob: float, length: int, length_penalty: float) -> float:
+    """cumulative_logprob / length ** length_penalty in Python floats, with the IEEE results
+    (an infinity, or NaN for 0 / 0) where the denominator underflows to 0."""
+    denominator = length_normalizer(length, length_penalty)
+    if denominator == 0.0:
+        return math.copysign(math.inf, cumulative_logprob) if cumulative_logprob else math.nan
+    return cumulative_logprob / denominator
 
 
 @dataclass
@@ -138,7 +157,9 @@ class BeamSearch:
         stopped = token in state.stop_token_ids
         if stopped or generated + 1 >= state.max_new_tokens:
             length = generated + 1
-            score = float(state.running_scores[0] / (length**state.params.length_penalty))
+            score = float(
+                state.running_scores[0] / length_normalizer(length, state.params.length_penalty)
+            )
             state.slots[0] = Hypothesis(
                 beam.output_token_ids,
                 float(state.running_scores[0]),
@@ -164,7 +185,7 @@ class BeamSearch:
         if not bool(just_finished.any()):
             return
         length = generated + 1
-        normalized = top_scores / (length**state.params.length_penalty)
+        normalized = top_scores / length_normalizer(length, state.params.length_penalty)
         normalized = normalized + (~just_finished).float() * NEG_INF_SCORE
         merged = torch.cat((state.slot_scores, normalized))
         keep = merged.topk(width).indices.tolist()
@@ -225,7 +246,7 @@ class BeamSearch:
             length = state.max_new_tokens
         else:
             length = generated
-        best_running = state.running_scores[0] / (length**params.length_penalty)
+        best_running = state.running_scores[0] / length_normalizer(length, params.length_penalty)
         full = all(slot is not None for slot in state.slots)
         worst = state.slot_scores.min() if full else torch.tensor(NEG_INF_SCORE)
         state.heuristic_unsatisfied = state.heuristic_unsatisfied and bool(best_running > worst)

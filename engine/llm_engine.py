@@ -275,8 +275,17 @@ class LLMEngine:
                 continue  # beam search ranks whole sequences: only final outputs mean anything
             elif group.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(RequestOutput.from_group(group, self.tokenizer))
+            outputs.append(self._output(group))
         return outputs
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        """The group's output; building it (detokenizing) fails the group alone."""
+        try:
+            return RequestOutput.from_group(group, self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+            self.scheduler.fail(group, exc)
+            self._groups.pop(group.request_id, None)
+            return RequestOutput.failed(group)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.beam_search import Hypothesis
+from engine.beam_search import Hypothesis, normalized_score
 from engine.sequence import Sequence, SequenceGroup
 from engine.tokenizer import Tokenizer
 
@@ -53,6 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the request failed (finish_reason "error")
 
     @classmethod
     def from_group(cls, group: SequenceGroup, tokenizer: Tokenizer | None) -> RequestOutput:
@@ -74,21 +75,31 @@ class RequestOutput:
             outputs,
             group.is_finished,
             metrics,
+            group.error,
+        )
+
+    @classmethod
+    def failed(cls, group: SequenceGroup) -> RequestOutput:
+        """The final output of a failed request when even building its outputs failed."""
+        return cls(
+            group.request_id, group.prompt, group.prompt_token_ids, [], True, None, group.error
         )
 
 
 def _beam_completions(group: SequenceGroup, tokenizer: Tokenizer | None) -> list[CompletionOutput]:
     """The best num_return_sequences hypotheses, best first. A search aborted before any
-    hypothesis finished reports its live beams, best first, with finish_reason "abort"."""
+    hypothesis finished reports its live beams, best first, with finish_reason "abort" (or
+    "error" for a search that failed)."""
     params = group.sampling_params
     hypotheses = group.beam.hypotheses()
     if not hypotheses:
+        reason = "abort" if group.error is None else "error"
         hypotheses = [
             Hypothesis(
                 seq.output_token_ids,
                 cumulative,
-                cumulative / max(seq.num_output_tokens, 1) ** params.length_penalty,
-                "abort",
+                normalized_score(cumulative, max(seq.num_output_tokens, 1), params.length_penalty),
+                reason,
             )
             for seq, cumulative in zip(group.seqs, group.beam.running_scores.tolist(), strict=False)
         ]

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.errors import ParameterError
+
+# A seed is a signed 64-bit integer, as in vLLM (a request's samples use seed + index).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (True is not a token count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_finite(name: str, value: object) -> None:
+    """Numbers only (no bools), and neither NaN nor an infinity."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ParameterError(name, f"{name} must be a finite number, got {value!r}")
 
 
 class RequestOutputKind(Enum):
@@ -56,8 +71,19 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ParameterError("n", f"n must be an integer >= 1, got {self.n!r}")
+        for name in (
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+            "top_p", "min_p",
+        ):  # fmt: skip
+            _check_finite(name, getattr(self, name))
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ParameterError(
+                "seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}"
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ParameterError(
                 "presence_penalty",
@@ -77,15 +103,15 @@ class SamplingParams:
             raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int):
+        if not _is_int(self.top_k):
             raise ParameterError("top_k", f"top_k must be an integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ParameterError(
                 "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
             )
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ParameterError(
                 "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
             )
@@ -94,13 +120,13 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ParameterError(
                 "logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}"
             )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ParameterError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ParameterError(
                 "stop_token_ids",
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
@@ -144,31 +170,34 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
             raise ParameterError(
                 "beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}"
             )
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ParameterError(
                 "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
             )
-        if not 1 <= self.num_return_sequences <= self.beam_width:
+        _check_finite("length_penalty", self.length_penalty)
+        if not _is_int(self.num_return_sequences) or not (
+            1 <= self.num_return_sequences <= self.beam_width
+        ):
             raise ParameterError(
                 "num_return_sequences",
                 "num_return_sequences must be in "
                 f"[1, beam_width={self.beam_width}], got "
                 f"{self.num_return_sequences}",
             )
-        if self.early_stopping not in (True, False, "never"):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ParameterError(
                 "early_stopping",
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
             )
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ParameterError(
                 "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"
             )
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ParameterError(
                 "stop_token_ids",
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
-from engine.sampler import ModelRunnerOutput
+from engine.sampler import ModelRunnerOutput, SamplerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.stop_checker import StopChecker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -240,39 +243,45 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
         """Appends the sampled tokens, applies stop rules, advances beam searches, frees
-        finished sequences; returns the groups that progressed this step, finished included."""
+        finished sequences; returns the groups that progressed this step, finished included.
+
+        Whatever raises while one group is updated (detokenizing, stop checks, beam
+        arithmetic) fails that group alone (`fail`); the others are updated as usual."""
         now = time.monotonic()
         sampled = result.sampled
         row = beam_row = 0
         updated: dict[int, SequenceGroup] = {}
         beam_rows: dict[int, dict[int, int]] = {}  # group -> seq_id -> row of beam_candidates
         for item in output.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
             group = item.group
+            if item.sample_seqs:
+                updated[id(group)] = group
             if group.beam is not None:
+                item.seq.num_computed_tokens += item.num_new_tokens
                 for seq in item.sample_seqs:
                     beam_rows.setdefault(id(group), {})[seq.seq_id] = beam_row
                     beam_row += 1
-                    updated[id(group)] = group
                 continue
-            for seq in item.sample_seqs:
-                seq.num_computed_tokens = item.seq.num_computed_tokens
-                seq.append_token(
-                    sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
-                )
-                row += 1
-                self._check_stop(group, seq)
-                if seq.is_finished:
-                    group.finished_time = now
+            first_row, row = row, row + len(item.sample_seqs)
+            if group.is_finished:  # failed earlier in this step
+                continue
+            try:
+                self._append_samples(group, item, sampled, first_row, now)
+            except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+                self.fail(group, exc)
                 updated[id(group)] = group
-            if item.sample_seqs and group.first_token_time is None:
-                group.first_token_time = now
         self.num_generation_tokens += row
         for key, rows in beam_rows.items():
             group = updated[key]
+            if group.is_finished:
+                continue
             beams = group.unfinished_seqs
-            candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
-            self.beam_search.step(group, candidates)
+            try:
+                candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
+                self.beam_search.step(group, candidates)
+            except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+                self.fail(group, exc)
+                continue
             self.num_generation_tokens += len(beams)
             if group.first_token_time is None:
                 group.first_token_time = now
@@ -281,6 +290,38 @@ class Scheduler:
         if any(g.is_finished for g in updated.values()):
             self.running = [g for g in self.running if not g.is_finished]
         return list(updated.values())
+
+    def _append_samples(
+        self,
+        group: SequenceGroup,
+        item: ScheduledSequence,
+        sampled: SamplerOutput,
+        first_row: int,
+        now: float,
+    ) -> None:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        for row, seq in enumerate(item.sample_seqs, start=first_row):
+            seq.num_computed_tokens = item.seq.num_computed_tokens
+            seq.append_token(
+                sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
+            )
+            self._check_stop(group, seq)
+            if seq.is_finished:
+                group.finished_time = now
+        if item.sample_seqs and group.first_token_time is None:
+            group.first_token_time = now
+
+    def fail(self, group: SequenceGroup, exc: BaseException) -> None:
+        """Ends a request whose processing raised: its unfinished sequences finish with
+        FINISHED_ERROR and free their blocks; `group.error` says why, for its client."""
+        logger.error("request %s failed", group.request_id, exc_info=exc)
+        group.error = f"{type(exc).__name__}: {exc}"
+        group.finished_time = time.monotonic()
+        for seq in group.unfinished_seqs:
+            seq.status = SequenceStatus.FINISHED_ERROR
+            self.block_manager.free(seq)
+        if group in self.running:
+            self.running.remove(group)
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         new_text = seq.detokenizer.step(seq.output_token_ids)

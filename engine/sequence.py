@@ -21,6 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # processing this request raised; the others went on
 
     @property
     def finished(self) -> bool:
@@ -35,6 +36,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -122,6 +124,19 @@ class SequenceGroup:
     finished_time: float | None = None
     num_preemptions: int = 0
     beam: BeamState | None = None
+    error: str | None = None  # why the request failed (FINISHED_ERROR), for its client
+    generators: list[torch.Generator | None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Every sample's generator is built now, at admission, so that a seed the generator
+        # refuses fails this request when it is added, never a later engine step.
+        seed = (
+            self.sampling_params.seed if isinstance(self.sampling_params, SamplingParams) else None
+        )
+        self.generators = [
+            None if seed is None else torch.Generator(device=self.device).manual_seed(seed + i)
+            for i in range(self.sampling_params.n)
+        ]
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:
@@ -134,9 +149,7 @@ class SequenceGroup:
     def make_generator(self, index: int) -> torch.Generator | None:
         """The random generator of sample `index` of a seeded request (seed + index, as vLLM
         seeds parallel samples), or None to draw from the engine's shared generator."""
-        if self.beam is not None or self.sampling_params.seed is None:
-            return None
-        return torch.Generator(device=self.device).manual_seed(self.sampling_params.seed + index)
+        return self.generators[index]
 
     @property
     def needs_fork(self) -> bool:

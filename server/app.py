@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -41,7 +42,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # The scheme is case-insensitive (RFC 9110); the key compared in constant time.
+        valid = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), config.api_key.encode()
+        )
+        if not valid:
             raise APIError(
                 HTTPStatus.UNAUTHORIZED, "Invalid or missing API key", code="invalid_api_key"
             )
@@ -57,8 +63,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             message = f"Malformed JSON body: {first.get('msg')}"
             return APIError(HTTPStatus.BAD_REQUEST, message).response()
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
-        return APIError(HTTPStatus.BAD_REQUEST, message, param=loc[0] if loc else None).response()
+        # A field refused by a model-level check names itself in the error's context.
+        param = loc[0] if loc else (first.get("ctx") or {}).get("field")
+        message = f"{'.'.join(loc) or param or 'body'}: {first.get('msg')}"
+        return APIError(HTTPStatus.BAD_REQUEST, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -84,8 +92,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[card])
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
-    async def completions(request: CompletionRequest):
-        return await serving.create(request)
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await serving.create(request, raw_request)
 
     return app
 

@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from engine.config import EngineConfig
 
 # The tiny GPT-2 trained on Python's reference text (server/train_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_MODEL_NAME = "octavo-tiny"
 API_KEY_ENV = "OCTAVO_API_KEY"
+
+logger = logging.getLogger(__name__)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
@@ -118,21 +120,38 @@ def _serve(args: argparse.Namespace) -> int:
     )
     config = ServerConfig(
         served_model_name=name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args.api_key),
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
     )
     app = create_app(engine, config)
-    server = GracefulServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
-        engine,
-        args.shutdown_grace_seconds,
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # After the engine's grace and abort drain, connections still open (a stream nobody
+        # reads) are closed: SIGTERM always ends the process.
+        timeout_graceful_shutdown=args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1,
     )
+    server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds)
     # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
     # so that second delivery must end the process with status 0, not kill it.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
+    if server.engine_failed:
+        logger.error("the engine loop died; exiting with status 1 so a supervisor restarts it")
+        return 1
     return 0
+
+
+def _api_key(flag: str | None) -> str | None:
+    """--api-key, else $OCTAVO_API_KEY, else no auth; an empty key is refused (it would
+    otherwise silently turn authentication off)."""
+    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"--api-key / ${API_KEY_ENV} must not be empty")
+    return key
 
 
 class GracefulServer(uvicorn.Server):
@@ -143,6 +162,14 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self.grace_seconds = grace_seconds
+        self.engine_failed = False
+        engine.on_fatal(self._engine_died)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """A step failed: every in-flight request already has its error; stop serving (a
+        live process answering 503 forever helps nobody) and exit non-zero."""
+        self.engine_failed = True
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:

@@ -2,62 +2,146 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 # OpenAI caps logprobs at 5 for completions; vLLM allows more. Our sampler takes any N, and
 # the top-N is a vocabulary-sized topk, so a generous but bounded cap keeps responses sane.
 MAX_LOGPROBS = 20
 
 
+# Bounds on what one request may carry, checked before anything is queued.
+MAX_PROMPTS_PER_REQUEST = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
+# Fields of vLLM's CompletionRequest that Octavo does not implement yet: a request that sets
+# one gets a 400 naming it rather than an answer that silently ignored it.
+UNSUPPORTED_VLLM_FIELDS = (
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "response_format", "structured_outputs", "logits_processors", "spaces_between_special_tokens",
+    "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "lora_request",
+    "priority", "kv_transfer_params", "vllm_xargs", "use_beam_search_legacy",
+)  # fmt: skip
+
+
+def _check_unicode(value: str | list | dict | None, field: str) -> None:
+    """Every string a request carries must be encodable (no lone surrogates such as
+    "\\ud800", which JSON can express and UTF-8 cannot)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{field} is not valid Unicode: {exc.reason}") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item, field)
+    elif isinstance(value, dict):
+        for key in value:
+            _check_unicode(key, field)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
-    """POST /v1/completions. Unknown fields are ignored, as OpenAI and vLLM do."""
+    """POST /v1/completions, validated strictly at the edge: no bool where a number is
+    expected or string where a bool is, finite floats only, valid Unicode, bounded lists.
+    An explicit JSON null means the field's default. Fields of vLLM's request that Octavo
+    does not implement are refused by name; other unknown fields are ignored with a warning,
+    as vLLM does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=0)
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int = 0
+    top_k: int = Field(default=0, ge=-1)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in UNSUPPORTED_VLLM_FIELDS:
+            if data.get(name) is not None:
+                raise PydanticCustomError(
+                    "unsupported_field",
+                    "{field} is not supported by this server yet",
+                    {"field": name},
+                )
+        unknown = sorted(k for k in data if k not in cls.model_fields)
+        if unknown:
+            logger.warning("ignoring unknown completion request fields: %s", unknown[:8])
+        # null = the default, for every optional field that does not take null itself
+        # (max_tokens does: null there means "up to the context length").
+        return {
+            key: value
+            for key, value in data.items()
+            if not (value is None and key in _NULL_MEANS_DEFAULT)
+        }
+
     @field_validator("prompt")
     @classmethod
-    def _prompt_not_empty(cls, value):
+    def _prompt_shape(cls, value):
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be an empty list")
+        # A list of token ids is one prompt, bounded by max_model_len; a list of prompts here.
+        many = isinstance(value, list) and len(value) > MAX_PROMPTS_PER_REQUEST
+        if many and not isinstance(value[0], int):
+            raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
+        _check_unicode(value, "prompt")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        _check_unicode(value, "stop")
+        return value
+
+    @field_validator("model", "user", "suffix", "logit_bias")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        _check_unicode(value, info.field_name)
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -127,3 +211,11 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# Optional fields whose explicit null is replaced by their default (see the validator).
+_NULL_MEANS_DEFAULT = frozenset(
+    name
+    for name, info in CompletionRequest.model_fields.items()
+    if not info.is_required() and type(None) not in get_args(info.annotation)
+)

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import TypeVar
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from engine.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestFailedError,
+)
 from engine.errors import ParameterError
 from engine.llm_engine import ProcessedPrompt
 from engine.outputs import CompletionOutput, RequestOutput
@@ -30,6 +39,9 @@ from server.streaming import SSE_DONE, ChoiceStream, Delta, sse_event
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,11 @@ class CompletionServing:
         self.tokenizer: Tokenizer | None = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
 
-    async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def create(
+        self, request: CompletionRequest, raw_request: Request | None = None
+    ) -> JSONResponse | StreamingResponse | Response:
+        """The response to one completion request. A non-streaming request whose client
+        disconnects (`raw_request` says so) is aborted like a stream whose client left."""
         self._check_supported(request)
         prompts = [self._process(request, p) for p in request.prompts()]
         request_id = completion_id()
@@ -64,9 +80,13 @@ class CompletionServing:
         if request.stream:
             body = self._stream(request_id, request, prompts, streams)
             return StreamingResponse(body, media_type="text/event-stream")
-        return JSONResponse(
-            (await self._complete(request_id, request, prompts, streams)).model_dump()
-        )
+        completion = self._complete(request_id, request, prompts, streams)
+        if raw_request is None:
+            return JSONResponse((await completion).model_dump())
+        result = await _unless_disconnected(raw_request, completion)
+        if result is None:  # nobody is listening; the requests are aborted
+            return Response(status_code=HTTPStatus.NO_CONTENT)
+        return JSONResponse(result.model_dump())
 
     # -- validation --------------------------------------------------------------------------
 
@@ -218,8 +238,11 @@ class CompletionServing:
 
     async def _complete(self, request_id, request, prompts, streams) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async for index, output in self._timed(self._merge(streams)):
-            finals[index] = output
+        try:
+            async for index, output in self._timed(self._merge(streams)):
+                finals[index] = output
+        except Exception as exc:
+            raise _engine_error(exc) from exc
         choices = []
         for index, final in enumerate(finals):
             assert final is not None and final.finished
@@ -275,8 +298,8 @@ class CompletionServing:
                         usage=_usage(finals),
                     )
                 )
-        except EngineStoppedError as exc:
-            yield sse_event(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)).body())
+        except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
+            yield sse_event(_engine_error(exc).body())
         yield SSE_DONE
 
     def _choice(
@@ -366,6 +389,45 @@ class CompletionServing:
             result.text_offset.append(offset)
             offset += len(text)
         return result
+
+
+def _engine_error(exc: Exception) -> APIError:
+    """What a client is told when its request's outputs end in an exception: the engine is
+    stopping (503), the request was refused on admission (400) or failed inside the engine
+    while the engine went on serving others (500); anything else is a server bug (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineStoppedError):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+    if isinstance(exc, ParameterError):
+        return APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param)
+    if isinstance(exc, RequestFailedError):
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"the request failed: {exc}")
+    logger.error("completion failed", exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}")
+
+
+async def _unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | None:
+    """Awaits `work` while listening for the client's disconnect (the body has been read,
+    so the next ASGI message is http.disconnect); a disconnect cancels `work` (closing its
+    output streams aborts their requests) and returns None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 def _usage(finals: list[RequestOutput | None]) -> Usage:
