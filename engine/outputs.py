@@ -62,6 +62,11 @@ class RequestOutput:
         else:
             want_logprobs = group.sampling_params.logprobs is not None
             outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
+            if group.is_finished:  # ended before its prompt forked into n samples
+                outputs += [
+                    _unstarted(i, group.seqs[0], want_logprobs)
+                    for i in range(len(outputs), group.sampling_params.n)
+                ]
         metrics = RequestMetrics(
             group.arrival_time,
             group.first_scheduled_time,
@@ -126,4 +131,17 @@ def _completion(index: int, seq: Sequence, want_logprobs: bool) -> CompletionOut
         logprobs=list(seq.output_logprobs) if want_logprobs else None,
         finish_reason=seq.status.finish_reason,
         stop_reason=seq.stop_reason,
+    )
+
+
+def _unstarted(index: int, first: Sequence, want_logprobs: bool) -> CompletionOutput:
+    """Sample `index` of a request that finished (aborted, failed) before it was forked:
+    nothing generated, the first sequence's finish reason."""
+    return CompletionOutput(
+        index=index,
+        text="",
+        token_ids=[],
+        cumulative_logprob=0.0,
+        logprobs=[] if want_logprobs else None,
+        finish_reason=first.status.finish_reason,
     )

@@ -12,10 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine
 from server.errors import APIError
+from server.http_guards import BodySizeLimit, HostCheck
 from server.metrics import ServerMetrics
 from server.protocol import CompletionRequest, ModelCard, ModelList
 from server.serving_completion import CompletionServing, ServerConfig
@@ -37,6 +37,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="Octavo", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    if config.allowed_hosts is not None:  # outermost: a foreign Host gets nothing else
+        app.add_middleware(HostCheck, allowed_hosts=config.allowed_hosts)
     app.state.engine = engine
 
     async def check_api_key(request: Request) -> None:
@@ -96,35 +98,3 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return await serving.create(request, raw_request)
 
     return app
-
-
-class BodySizeLimit:
-    """Answers 413 for request bodies over `max_bytes`, by Content-Length or while reading."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = APIError(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body exceeds {self.max_bytes} bytes"
-        )
-        length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await too_large.response()(scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise too_large
-            return message
-
-        await self.app(scope, limited_receive, send)

@@ -16,11 +16,14 @@ import uvicorn
 
 from engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from engine.config import EngineConfig
+from server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
 
 # The tiny GPT-2 trained on Python's reference text (server/train_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_MODEL_NAME = "octavo-tiny"
 API_KEY_ENV = "OCTAVO_API_KEY"
+# --max-n's default: a request may take at most this fraction (1 / N) of the sequence slots.
+DEFAULT_MAX_N_SHARE = 4
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=_api_key(args.api_key),
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
+        max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
+        allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
     )
     app = create_app(engine, config)
     uvicorn_config = uvicorn.Config(
@@ -133,6 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
         # After the engine's grace and abort drain, connections still open (a stream nobody
         # reads) are closed: SIGTERM always ends the process.
         timeout_graceful_shutdown=args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1,
+        http=h11_with_header_timeout(args.header_timeout_seconds),
+        limit_concurrency=args.limit_concurrency,
     )
     server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds)
     # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
@@ -143,6 +150,17 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("the engine loop died; exiting with status 1 so a supervisor restarts it")
         return 1
     return 0
+
+
+def _allowed_hosts(flag: str | None, bind_host: str) -> tuple[str, ...] | None:
+    """--allowed-hosts as a tuple ("*" or None: any); by default the loopback names when
+    bound to a loopback address (DNS rebinding), any host otherwise."""
+    if flag is not None:
+        hosts = tuple(h.strip() for h in flag.split(",") if h.strip())
+        return None if "*" in hosts else hosts
+    if bind_host in LOOPBACK_HOSTS or bind_host.startswith("127."):
+        return (*LOOPBACK_HOSTS, bind_host)
+    return None
 
 
 def _api_key(flag: str | None) -> str | None:
@@ -199,6 +217,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests allowed to wait for admission; more get 503",
     )
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument(
+        "--max-n",
+        type=int,
+        default=None,
+        help="largest n / best_of per request (default: max_num_seqs / 4), so that one "
+        "request cannot take every sequence slot",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host names to answer ('*': any; default: the loopback names "
+        "when bound to loopback, else any)",
+    )
+    serve.add_argument(
+        "--header-timeout-seconds",
+        type=float,
+        default=10.0,
+        help="close a connection that has not sent complete request headers by then",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=2048,
+        help="connections and tasks at once; more are answered 503 by uvicorn",
+    )
     serve.add_argument(
         "--shutdown-grace-seconds",
         type=float,

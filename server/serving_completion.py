@@ -46,10 +46,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """What the HTTP layer enforces; `max_n` bounds n and best_of per request (None: no
+    bound beyond the engine's max_num_seqs); `allowed_hosts` None accepts any Host."""
+
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     shutdown_grace_seconds: float = 10.0
+    max_n: int | None = None
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 class CompletionServing:
@@ -97,6 +102,22 @@ class CompletionServing:
                 f"The model `{request.model}` does not exist.",
                 param="model",
                 code="model_not_found",
+            )
+        max_n = self.config.max_n
+        for param, value in (("n", request.n), ("best_of", request.best_of)):
+            if max_n is not None and value is not None and value > max_n:
+                raise APIError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"{param} must be <= {max_n} on this server (--max-n), got {value}",
+                    param=param,
+                )
+        num_prompts = len(request.prompts())
+        if num_prompts > self.engine.max_num_waiting:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"{num_prompts} prompts can never wait at once: the queue holds "
+                f"{self.engine.max_num_waiting} (--max-num-waiting)",
+                param="prompt",
             )
         if request.use_beam_search:
             self._check_beam_search(request)
@@ -174,7 +195,8 @@ class CompletionServing:
                 prompt if isinstance(prompt, str) else None, processed.token_ids
             ), params
         except ParameterError as exc:
-            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
+            param = _client_param(request, exc.param)
+            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=param) from exc
 
     @staticmethod
     def _params(request: CompletionRequest, max_tokens: int) -> SamplingParams | BeamSearchParams:
@@ -192,8 +214,7 @@ class CompletionServing:
                     skip_special_tokens=request.skip_special_tokens,
                 )
             except ParameterError as exc:  # name the fields as the client sent them
-                param = {"beam_width": "best_of", "num_return_sequences": "n"}.get(exc.param)
-                raise ParameterError(param or exc.param, str(exc)) from exc
+                raise ParameterError(_client_param(request, exc.param), str(exc)) from exc
         return SamplingParams(
             n=request.n,
             presence_penalty=request.presence_penalty,
@@ -389,6 +410,14 @@ class CompletionServing:
             result.text_offset.append(offset)
             offset += len(text)
         return result
+
+
+def _client_param(request: CompletionRequest, param: str) -> str:
+    """The request field behind an engine parameter: beam_width is best_of when the client
+    sent best_of (else n), num_return_sequences is n."""
+    if param == "beam_width":
+        return "best_of" if request.best_of is not None else "n"
+    return {"num_return_sequences": "n"}.get(param, param)
 
 
 def _engine_error(exc: Exception) -> APIError:

@@ -183,3 +183,14 @@ def test_a_step_fault_fails_every_stream_and_calls_the_fatal_handler(tiny_model_
     assert all(isinstance(r, EngineStoppedError) for r in results), results
     assert len(fatal) == 1 and "injected step fault" in str(fatal[0])
     assert not engine.accepting
+
+
+def test_a_request_aborted_before_it_forks_reports_all_n_choices(tiny_model_dir):
+    engine = engine_for(tiny_model_dir)
+    engine.add_request("n4", [1, 2, 3], SamplingParams(n=4, max_tokens=5, logprobs=1))
+    final = engine.abort_request("n4")
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "abort" and c.token_ids == [] for c in final.outputs)
+    assert all(c.logprobs == [] for c in final.outputs)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks

@@ -2,6 +2,7 @@
 field, or an answer, and the server keeps serving everyone else; a non-streaming client that
 leaves aborts its request; auth is constant-time and case-insensitive in its scheme."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -145,3 +146,65 @@ def test_an_empty_api_key_is_refused_at_startup(tiny_model_dir, key):
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "api-key" in run.stderr
+
+
+def test_a_chunked_body_over_the_limit_is_413(server):
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(80):  # 5 MiB in all, past the 4 MiB default, with no Content-Length
+            yield b"x" * (64 << 10)
+        yield b'"}'
+
+    response = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert_error(response, 413)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [({"n": 17}, "n"), ({"use_beam_search": True, "best_of": 17}, "best_of")],
+)
+def test_one_request_cannot_take_every_sequence_slot(server, change, param):
+    """The test server has max_num_seqs 64, so --max-n defaults to 16."""
+    assert_error(post(server, GOOD | change), 400, param)
+
+
+def test_a_foreign_host_header_is_refused_on_loopback(server):
+    port = server.base_url.rsplit(":", 1)[1]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.2"):
+        response = post(server, GOOD, headers={"host": host})
+        assert_error(response, 400)
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}"):
+        assert post(server, GOOD, headers={"host": host}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_model_dir, tmp_path_factory):
+    flags = ("--header-timeout-seconds", "0.5", "--allowed-hosts", "api.example,localhost")
+    with live_server(tiny_model_dir, tmp_path_factory.mktemp("guard"), *flags) as s:
+        yield s
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(guarded_server):
+    host, port = guarded_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+        started = time.monotonic()
+        assert sock.recv(1024) == b""  # closed by the server, not by our 5 s timeout
+        assert time.monotonic() - started < 3.0
+    # A well-behaved client on a kept-alive connection is not cut by the deadline.
+    headers = {"host": "localhost"}
+    with httpx.Client(base_url=guarded_server.base_url, timeout=30, headers=headers) as client:
+        for _ in range(3):
+            assert client.post("/v1/completions", json=GOOD).status_code == 200
+            time.sleep(0.6)
+
+
+def test_allowed_hosts_can_be_set(guarded_server):
+    assert post(guarded_server, GOOD, headers={"host": "api.example"}).status_code == 200
+    assert_error(post(guarded_server, GOOD, headers={"host": "127.0.0.1"}), 400)
