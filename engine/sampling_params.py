@@ -17,6 +17,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _as_list(name: str, value: object) -> list:
+    """None as [], a list or tuple as a list; anything else names the parameter."""
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise ParameterError(name, f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ParameterError(name, f"{name} must be True or False, got {value!r}")
+
+
 def _check_finite(name: str, value: object) -> None:
     """Numbers only (no bools), and neither NaN nor an infinity."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -63,11 +77,10 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_strings = (
+            [self.stop] if isinstance(self.stop, str) else _as_list("stop", self.stop)
+        )
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -78,6 +91,8 @@ class SamplingParams:
             "top_p", "min_p",
         ):  # fmt: skip
             _check_finite(name, getattr(self, name))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
         if self.seed is not None and (
             not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
@@ -169,7 +184,7 @@ class BeamSearchParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         if not _is_int(self.beam_width) or self.beam_width < 1:
             raise ParameterError(
                 "beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}"
@@ -179,6 +194,8 @@ class BeamSearchParams:
                 "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
             )
         _check_finite("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
         if not _is_int(self.num_return_sequences) or not (
             1 <= self.num_return_sequences <= self.beam_width
         ):

@@ -6,9 +6,11 @@ import hmac
 import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -17,7 +19,13 @@ from engine.async_engine import AsyncEngine
 from server.errors import APIError
 from server.http_guards import BodySizeLimit, HostCheck
 from server.metrics import ServerMetrics
-from server.protocol import CompletionRequest, ModelCard, ModelList
+from server.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from server.serving_completion import CompletionServing, ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -72,29 +80,77 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(HTTPStatus(exc.status_code), str(exc.detail)).response()
+        # Keeps the exception's headers: a 405 must say which methods are Allowed.
+        status = HTTPStatus(exc.status_code)
+        return APIError(status, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}").response()
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=_HEALTH_RESPONSES)
     async def health() -> Response:
         status = HTTPStatus.OK if engine.accepting else HTTPStatus.SERVICE_UNAVAILABLE
         return Response(status_code=status)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)], responses=_errors(400, 401))
     async def models() -> ModelList:
         card = ModelCard(id=config.served_model_name, max_model_len=serving.max_model_len)
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post(
+        "/v1/completions",
+        dependencies=[Depends(check_api_key)],
+        response_model=None,
+        responses=_COMPLETION_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+    )
     async def completions(request: CompletionRequest, raw_request: Request):
         return await serving.create(request, raw_request)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document without the 422 it adds to every route with a body: this
+        server answers validation errors with 400 (OpenAI's shape)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for error statuses, each with the OpenAI-shaped error body."""
+    return {
+        status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
+        for status in statuses
+    }
+
+
+_COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": CompletionResponse,
+        "description": "The completion, or with `stream: true` server-sent events: one "
+        "`data: <CompletionResponse JSON>` per chunk, then `data: [DONE]`.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    204: {"description": "The client disconnected before the completion was ready."},
+}
+_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Serving.", "content": {}},
+    503: {"description": "Shutting down, or the engine stopped.", "content": {}},
+}
+_METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition format.",
+        "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+    },
+}

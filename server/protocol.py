@@ -5,9 +5,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,23 @@ UNSUPPORTED_VLLM_FIELDS = (
     "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "lora_request",
     "priority", "kv_transfer_params", "vllm_xargs", "use_beam_search_legacy",
 )  # fmt: skip
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    """JSON Schema counts 1.0 as an integer, so this API does too; 1.5, true and "1" stay
+    invalid under strict validation."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def json_int(**bounds: int) -> Any:
+    """An integer field within `bounds` (Field's ge/le): a JSON integer, or a float with an
+    integral value. The bounds come first so that the JSON schema states them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float_to_int)]
+
+
+TokenId = json_int(ge=0)
 
 
 def _check_unicode(value: str | list | dict | None, field: str) -> None:
@@ -65,30 +89,35 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = Field(default=1, ge=1)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: json_int(ge=1) | None = 16
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: json_int(ge=1) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: json_int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
     stop: str | list[str] | None = Field(default=None)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    seed: json_int(ge=SEED_MIN, le=SEED_MAX) | None = None
     user: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: json_int(ge=1) | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: json_int(ge=-1) = 0
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    min_tokens: json_int(ge=0) = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_beam_search: bool = False
