@@ -84,14 +84,14 @@ from pathlib import Path
 import torch
 
 try:
-    import engine  # noqa: F401
+    import octavo.engine  # noqa: F401
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
-from benchmarks.common import (  # noqa: E402
+from octavo.benchmarks.common import (  # noqa: E402
     PAD_TOKEN_ID,
     add_model_arguments,
     load_hf_model,
@@ -100,9 +100,9 @@ from benchmarks.common import (  # noqa: E402
     synchronize,
     write_checkpoint,
 )
-from engine import LLM, BeamSearchParams
-from engine.config import DTYPES
-from engine.model_runner import ModelRunner
+from octavo.engine import LLM, BeamSearchParams
+from octavo.engine.config import DTYPES
+from octavo.engine.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WARMUP_REQUESTS = 4

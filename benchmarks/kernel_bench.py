@@ -47,11 +47,11 @@ if not torch.cuda.is_available():
 import triton.testing  # noqa: E402
 
 try:
-    import kernels  # noqa: F401
+    import octavo.kernels  # noqa: F401
 except ImportError:  # run as a plain script on a machine without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.paged_attention import (  # noqa: E402
+from octavo.kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
     choose_num_splits,

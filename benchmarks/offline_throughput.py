@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 try:
-    import engine  # noqa: F401
+    import octavo.engine  # noqa: F401
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,7 +63,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadM
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from benchmarks.common import (  # noqa: E402
+from octavo.benchmarks.common import (  # noqa: E402
     PAD_TOKEN_ID,
     add_model_arguments,
     load_hf_model,
@@ -72,8 +72,8 @@ from benchmarks.common import (  # noqa: E402
     synchronize,
     write_checkpoint,
 )
-from engine import LLM, SamplingParams
-from engine.config import DTYPES
+from octavo.engine import LLM, SamplingParams
+from octavo.engine.config import DTYPES
 
 HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)
 WARMUP_REQUESTS = 4

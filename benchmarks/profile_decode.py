@@ -41,13 +41,18 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 try:
-    import engine  # noqa: F401
+    import octavo.engine  # noqa: F401
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import GPT2_PRESETS, default_result_file, machine_info, write_checkpoint
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.config import DTYPES  # noqa: E402
+from octavo.benchmarks.common import (
+    GPT2_PRESETS,
+    default_result_file,
+    machine_info,
+    write_checkpoint,
+)
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from octavo.engine.config import DTYPES  # noqa: E402
 
 PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
 VOCAB, N_POSITIONS = 50257, 1024

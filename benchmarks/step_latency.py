@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 try:
-    import engine  # noqa: F401
+    import octavo.engine  # noqa: F401
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
+from octavo.benchmarks.common import (  # noqa: E402
     GPT2_PRESETS,
     default_result_file,
     load_hf_model,
@@ -43,8 +43,8 @@ from benchmarks.common import (  # noqa: E402
     synchronize,
     write_checkpoint,
 )
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.config import DTYPES  # noqa: E402
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from octavo.engine.config import DTYPES  # noqa: E402
 
 # (layers, n_embd, heads): the released GPT-2 sizes and the smoke model.
 PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}

@@ -9,9 +9,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.llm_engine import EngineStats, LLMEngine, ProcessedPrompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from octavo.engine.llm_engine import EngineStats, LLMEngine, ProcessedPrompt
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

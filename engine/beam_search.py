@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.sampler import BeamCandidates
-from engine.sampling_params import BeamSearchParams
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.block_manager import BlockManager
+from octavo.engine.sampler import BeamCandidates
+from octavo.engine.sampling_params import BeamSearchParams
+from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # Hugging Face marks impossible candidates and empty hypothesis slots with this score; using
 # the same float32 arithmetic keeps every ranking, ties included, identical to theirs.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from octavo.engine.sequence import Sequence
 
 NULL_BLOCK = 0  # reserved: padded block-table entries point here, never allocated
 

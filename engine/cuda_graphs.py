@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.models.gpt2 import GPT2LMHeadModel
-from kernels.paged_attention import choose_num_splits, num_sms
+from octavo.engine.attention.backend import AttentionMetadata
+from octavo.engine.models.gpt2 import GPT2LMHeadModel
+from octavo.kernels.paged_attention import choose_num_splits, num_sms
 
 # Captured batch sizes: small powers of two, then every multiple of this step.
 _BUCKET_STEP = 16

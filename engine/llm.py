@@ -8,10 +8,10 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.config import EngineConfig
+from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int]
 

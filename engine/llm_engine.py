@@ -7,24 +7,24 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.beam_search import BeamState
-from engine.block_manager import BlockManager
-from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from engine.errors import ParameterError
-from engine.model_runner import ModelRunner, profile_activation_bytes
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.weights import load_model
-from engine.outputs import RequestOutput
-from engine.sampler import Sampler
-from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceGroup
-from engine.stop_checker import StopChecker
-from engine.tokenizer import IncrementalDetokenizer
+from octavo import kernels
+from octavo.engine.attention.backend import AttentionBackend
+from octavo.engine.attention.torch_backend import TorchAttentionBackend
+from octavo.engine.attention.triton_backend import TritonAttentionBackend
+from octavo.engine.beam_search import BeamState
+from octavo.engine.block_manager import BlockManager
+from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from octavo.engine.errors import ParameterError
+from octavo.engine.model_runner import ModelRunner, profile_activation_bytes
+from octavo.engine.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.models.weights import load_model
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampler import Sampler
+from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.scheduler import Scheduler, SchedulerConfig
+from octavo.engine.sequence import Sequence, SequenceGroup
+from octavo.engine.stop_checker import StopChecker
+from octavo.engine.tokenizer import IncrementalDetokenizer
 
 _GIB = 1 << 30
 

@@ -6,18 +6,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.block_manager import BlockManager
-from engine.cuda_graphs import CUDAGraphRunner
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.sampler import (
+from octavo.engine.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.block_manager import BlockManager
+from octavo.engine.cuda_graphs import CUDAGraphRunner
+from octavo.engine.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.sampler import (
     BeamCandidates,
     ModelRunnerOutput,
     Sampler,
     SamplerOutput,
     SamplingRequest,
 )
-from engine.scheduler import SchedulerOutput
+from octavo.engine.scheduler import SchedulerOutput
 
 
 @dataclass

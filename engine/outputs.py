@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.beam_search import Hypothesis, normalized_score
-from engine.sequence import Sequence, SequenceGroup
-from engine.tokenizer import Tokenizer
+from octavo.engine.beam_search import Hypothesis, normalized_score
+from octavo.engine.sequence import Sequence, SequenceGroup
+from octavo.engine.tokenizer import Tokenizer
 
 
 @dataclass

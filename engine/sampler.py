@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sequence import Sequence
 
 
 @dataclass

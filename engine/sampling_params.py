@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.errors import ParameterError
+from octavo.engine.errors import ParameterError
 
 # A seed is a signed 64-bit integer, as in vLLM (a request's samples use seed + index).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

@@ -8,11 +8,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.beam_search import BeamSearch
-from engine.block_manager import BlockManager
-from engine.sampler import ModelRunnerOutput, SamplerOutput
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.stop_checker import StopChecker
+from octavo.engine.beam_search import BeamSearch
+from octavo.engine.block_manager import BlockManager
+from octavo.engine.sampler import ModelRunnerOutput, SamplerOutput
+from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 

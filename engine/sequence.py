@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.tokenizer import IncrementalDetokenizer
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from engine.beam_search import BeamState
+    from octavo.engine.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):

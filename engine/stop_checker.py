@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sequence import Sequence, SequenceStatus
 
 
 class StopChecker:

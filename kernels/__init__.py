@@ -2,7 +2,7 @@
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.store_kv import _store_kv_kernel
+from octavo.kernels.store_kv import _store_kv_kernel
 
 
 def interpreter_active() -> bool:

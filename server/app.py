@@ -15,18 +15,18 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine
-from server.errors import APIError
-from server.http_guards import BodySizeLimit, HostCheck
-from server.metrics import ServerMetrics
-from server.protocol import (
+from octavo.engine.async_engine import AsyncEngine
+from octavo.server.errors import APIError
+from octavo.server.http_guards import BodySizeLimit, HostCheck
+from octavo.server.metrics import ServerMetrics
+from octavo.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
 )
-from server.serving_completion import CompletionServing, ServerConfig
+from octavo.server.serving_completion import CompletionServing, ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
-from engine.config import EngineConfig
-from server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
+from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
+from octavo.engine.config import EngineConfig
+from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
 
-# The tiny GPT-2 trained on Python's reference text (server/train_default_model.py).
+# The tiny GPT-2 trained on Python's reference text (tools/train_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_MODEL_NAME = "octavo-tiny"
 API_KEY_ENV = "OCTAVO_API_KEY"
@@ -81,8 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from engine.llm_engine import LLMEngine
+    from octavo.engine import LLM, SamplingParams
+    from octavo.engine.llm_engine import LLMEngine
 
     llm = LLM.from_engine(LLMEngine(engine_config_from_args(args)))
     params = SamplingParams(
@@ -104,9 +104,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
-    from server.app import create_app
-    from server.serving_completion import ServerConfig
+    from octavo.engine.llm_engine import LLMEngine
+    from octavo.server.app import create_app
+    from octavo.server.serving_completion import ServerConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -259,15 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_serve)
 
-    from benchmarks import load_test
-
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    # The load-test client (and httpx, the `bench` extra) loads only when this runs; its
+    # own parser reads the flags (`octavo bench serve --help` lists them).
     bench_serve = bench_commands.add_parser(
-        "serve", parents=[load_test.build_parser(add_help=False)],
+        "serve", add_help=False,
         help="load-test an OpenAI-compatible server (flags as vllm bench serve)",
     )  # fmt: skip
-    bench_serve.set_defaults(handler=load_test.run)
+    bench_serve.set_defaults(handler=_bench_serve, takes_extra_args=True)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print them")
     add_engine_args(generate)
@@ -284,8 +284,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    try:
+        from octavo.benchmarks import load_test
+    except ModuleNotFoundError as exc:
+        print(
+            f"octavo: error: `octavo bench serve` needs {exc.name}: pip install 'octavo[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    return load_test.run(load_test.build_parser().parse_args(args.extra_args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
     try:
         return args.handler(args)
     except ValueError as exc:

@@ -6,7 +6,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from server.protocol import ErrorBody, ErrorResponse
+from octavo.server.protocol import ErrorBody, ErrorResponse
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",

@@ -9,7 +9,7 @@ from http import HTTPStatus
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import APIError
+from octavo.server.errors import APIError
 
 # Hosts a server bound to a loopback address answers by default: a page on another origin
 # that resolves its own name to 127.0.0.1 (DNS rebinding) sends its own name as the Host.

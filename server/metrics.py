@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncEngine
-from engine.outputs import RequestMetrics
+from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.outputs import RequestMetrics
 
 PREFIX = "octavo:"
 # Seconds; TTFT and queue time span idle-to-loaded, ITL is per token.

@@ -14,20 +14,20 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import (
+from octavo.engine.async_engine import (
     AsyncEngine,
     EngineStoppedError,
     QueueFullError,
     RequestFailedError,
 )
-from engine.errors import ParameterError
-from engine.llm_engine import ProcessedPrompt
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.tokenizer import Tokenizer
-from server.errors import APIError
-from server.metrics import ServerMetrics
-from server.protocol import (
+from octavo.engine.errors import ParameterError
+from octavo.engine.llm_engine import ProcessedPrompt
+from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.tokenizer import Tokenizer
+from octavo.server.errors import APIError
+from octavo.server.metrics import ServerMetrics
+from octavo.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -35,7 +35,7 @@ from server.protocol import (
     Usage,
     completion_id,
 )
-from server.streaming import SSE_DONE, ChoiceStream, Delta, sse_event
+from octavo.server.streaming import SSE_DONE, ChoiceStream, Delta, sse_event
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1

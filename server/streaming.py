@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from engine.outputs import CompletionOutput
+from octavo.engine.outputs import CompletionOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from server.train_default_model import corpus, train_tokenizer
+from tools.train_default_model import corpus, train_tokenizer
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.copy_blocks import copy_blocks_ref
+from octavo.kernels.copy_blocks import copy_blocks_ref
 
 
 @dataclass

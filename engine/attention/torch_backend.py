@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
-from kernels.copy_blocks import copy_blocks
-from kernels.paged_attention import paged_attention
-from kernels.store_kv import store_kv
+from octavo.engine.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.kernels.copy_blocks import copy_blocks
+from octavo.kernels.paged_attention import paged_attention
+from octavo.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):

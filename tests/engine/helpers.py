@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from octavo.engine import LLMEngine, RequestOutput, SamplingParams
 
 
 def run_to_completion(

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 
 
 def make(model_dir: str, max_num_waiting: int = 8) -> AsyncEngine:

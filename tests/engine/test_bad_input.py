@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.engine.helpers import hf_greedy
 
 

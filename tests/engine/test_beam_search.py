@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 

@@ -3,14 +3,14 @@
 import subprocess
 import sys
 
-from engine import LLM, SamplingParams
+from octavo.engine import LLM, SamplingParams
 
 
 def octavo_generate(model_dir: str, *flags: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
-        "server",
+        "octavo",
         "generate",
         "--model",
         model_dir,

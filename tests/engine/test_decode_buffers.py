@@ -4,8 +4,8 @@ graph path except the capture itself (tested on a GPU in test_gpu_engine)."""
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import DecodeInputBuffers, forward_bucket
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine.cuda_graphs import DecodeInputBuffers, forward_bucket
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, BeamSearchParams, SamplingParams
-from engine.errors import ParameterError
+from octavo.engine import LLM, BeamSearchParams, SamplingParams
+from octavo.engine.errors import ParameterError
 
 VALUES = st.one_of(
     st.none(),

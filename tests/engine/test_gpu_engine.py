@@ -4,7 +4,7 @@ runs."""
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 from tests.engine.test_beam_search import assert_same, hf_beam_search, make_case

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, EngineStoppedError, RequestFailedError
-from engine.beam_search import length_normalizer, normalized_score
-from engine.errors import ParameterError
+from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
+from octavo.engine.async_engine import AsyncEngine, EngineStoppedError, RequestFailedError
+from octavo.engine.beam_search import length_normalizer, normalized_score
+from octavo.engine.errors import ParameterError
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 

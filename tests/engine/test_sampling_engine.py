@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import run_to_completion
 

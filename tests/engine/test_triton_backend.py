@@ -2,8 +2,8 @@
 
 import pytest
 
-import kernels
-from engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
+from octavo import kernels
+from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import run_to_completion
 

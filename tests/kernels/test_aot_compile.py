@@ -21,7 +21,7 @@ def variants(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("aot") / "variants.json"
     # A process of its own: this one runs the kernels under TRITON_INTERPRET=1.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "kernels.aot", "--json", str(out)]
+    command = [sys.executable, "-m", "tools.aot", "--json", str(out)]
     for arch in ARCHS:
         command += ["--arch", str(arch)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks, copy_blocks_ref
-from kernels.paged_attention import paged_attention, paged_attention_ref
-from kernels.store_kv import store_kv, store_kv_ref
+from octavo.kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from octavo.kernels.paged_attention import paged_attention, paged_attention_ref
+from octavo.kernels.store_kv import store_kv, store_kv_ref
 
 pytestmark = pytest.mark.gpu
 

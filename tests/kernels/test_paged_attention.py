@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.paged_attention import (
+from octavo.kernels.paged_attention import (
     MIN_DOT_DIM,
     MIN_KEYS_PER_SPLIT,
     DecodeConfig,

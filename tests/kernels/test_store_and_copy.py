@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks, copy_blocks_ref
-from kernels.store_kv import store_kv, store_kv_ref
+from octavo.kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from octavo.kernels.store_kv import store_kv, store_kv_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -46,7 +46,7 @@ def live_server(model_dir: str | None, tmp_path, *extra: str) -> Iterator[LiveSe
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     model = ["--model", model_dir, "--served-model-name", MODEL_NAME] if model_dir else []
-    cmd = [sys.executable, "-m", "server", "serve", *model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "octavo", "serve", *model, "--port", str(port)]
     cmd += ["--device", "cpu", "--num-blocks", "1024", "--block-size", "8"]
     cmd += ["--log-level", "warning", *extra]
     with open(log_path, "w") as log:

@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from engine import LLM, BeamSearchParams
+from octavo.engine import LLM, BeamSearchParams
 from tests.server.conftest import MODEL_NAME
 
 PROMPT = "The import statement"

@@ -5,8 +5,8 @@ import json
 import httpx
 import torch
 
-from engine import LLM, SamplingParams
-from server.cli import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from octavo.engine import LLM, SamplingParams
+from octavo.server.cli import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from tests.server.conftest import live_server
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are"]

@@ -6,11 +6,11 @@ import asyncio
 import httpx
 import uvicorn
 
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
-from server.app import create_app
-from server.cli import GracefulServer
-from server.serving_completion import ServerConfig
+from octavo.engine import EngineConfig, LLMEngine
+from octavo.engine.async_engine import AsyncEngine
+from octavo.server.app import create_app
+from octavo.server.cli import GracefulServer
+from octavo.server.serving_completion import ServerConfig
 from tests.server.conftest import free_port
 
 SERVE_TIMEOUT_S = 60

@@ -142,7 +142,7 @@ def test_bearer_scheme_is_case_insensitive_and_the_key_exact(keyed_server, autho
 
 @pytest.mark.parametrize("key", ["", "   "])
 def test_an_empty_api_key_is_refused_at_startup(tiny_model_dir, key):
-    command = [sys.executable, "-m", "server", "serve", "--model", tiny_model_dir,
+    command = [sys.executable, "-m", "octavo", "serve", "--model", tiny_model_dir,
                "--device", "cpu", "--num-blocks", "64", "--api-key", key]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2

@@ -12,7 +12,7 @@ def bench(base_url: str, tmp_path, *flags: str) -> tuple[subprocess.CompletedPro
     cmd = [
         sys.executable,
         "-m",
-        "server",
+        "octavo",
         "bench",
         "serve",
         "--base-url",

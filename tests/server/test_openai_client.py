@@ -5,7 +5,7 @@ import asyncio
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from octavo.engine import LLM, SamplingParams
 from tests.server.conftest import MODEL_NAME
 
 PROMPT = "The return statement"

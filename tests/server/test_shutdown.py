@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from engine.async_engine import ABORT_DRAIN_SECONDS
+from octavo.engine.async_engine import ABORT_DRAIN_SECONDS
 from tests.server.conftest import MODEL_NAME, live_server
 
 NUM_STREAMS = 3

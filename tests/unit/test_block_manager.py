@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
-from engine.sequence import Sequence
-from engine.tokenizer import IncrementalDetokenizer
+from octavo.engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
+from octavo.engine.sequence import Sequence
+from octavo.engine.tokenizer import IncrementalDetokenizer
 
 
 def make_seq(seq_id: int, num_tokens: int) -> Sequence:

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from engine.stop_checker import StopChecker
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sequence import Sequence, SequenceStatus
+from octavo.engine.stop_checker import StopChecker
+from octavo.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.checkpoints import tokenizer_json
 
 TEXT = "Naïve café — ünïcode 日本語 and 🎉 emoji: déjà vu, «quotes» ∑ x² ≤ 10."

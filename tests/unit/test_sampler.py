@@ -5,16 +5,16 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from octavo.engine.sampler import (
     Sampler,
     SamplingRequest,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.tokenizer import IncrementalDetokenizer
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sequence import Sequence
+from octavo.engine.tokenizer import IncrementalDetokenizer
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 EOS = 4

@@ -2,13 +2,13 @@
 
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.sampler import ModelRunnerOutput, SamplerOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.stop_checker import StopChecker
-from engine.tokenizer import IncrementalDetokenizer
+from octavo.engine.block_manager import BlockManager
+from octavo.engine.sampler import ModelRunnerOutput, SamplerOutput
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.stop_checker import StopChecker
+from octavo.engine.tokenizer import IncrementalDetokenizer
 
 EOS = 0
 _tokens = itertools.count(10)

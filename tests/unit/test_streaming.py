@@ -1,8 +1,8 @@
 """SSE framing and the stream-delta tracker's holdback of possible stop-string prefixes."""
 
-from engine.outputs import CompletionOutput
-from server.protocol import CompletionChoice, CompletionResponse
-from server.streaming import SSE_DONE, ChoiceStream, sse_event
+from octavo.engine.outputs import CompletionOutput
+from octavo.server.protocol import CompletionChoice, CompletionResponse
+from octavo.server.streaming import SSE_DONE, ChoiceStream, sse_event
 
 
 def output(text: str, tokens: int, finish: str | None = None) -> CompletionOutput:

@@ -8,7 +8,7 @@ recorder, so nothing runs), specializes every launch exactly as Triton's JIT wou
 call, compiles it through Triton's NVIDIA pipeline down to a cubin with the ptxas shipped in
 the triton wheel, and reads the cubin's resource usage with cuobjdump. No driver is needed.
 
-    python -m kernels.aot --arch 90 --arch 80 [--json PATH]
+    python -m tools.aot --arch 90 --arch 80 [--json PATH]
 
 Import it without TRITON_INTERPRET=1: the interpreter replaces the JIT functions. It uses
 two helpers of Triton's JIT (the binder and _pack_args) and so follows the pinned Triton
@@ -36,9 +36,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from kernels import copy_blocks as copy_blocks_module
-from kernels import paged_attention as paged_attention_module
-from kernels import store_kv as store_kv_module
+from octavo.kernels import copy_blocks as copy_blocks_module
+from octavo.kernels import paged_attention as paged_attention_module
+from octavo.kernels import store_kv as store_kv_module
 
 KERNEL_MODULES: tuple[ModuleType, ...] = (
     store_kv_module,

@@ -5,7 +5,7 @@ needs no download. It writes a Hugging Face-format folder (config.json,
 generation_config.json, model.safetensors in float16, tokenizer.json) that both Octavo and
 `transformers` load. Deterministic for a given seed and thread count; a few minutes on 2 cores.
 
-    .venv/bin/python -m server.train_default_model --out server/default_model
+    .venv/bin/python -m tools.train_default_model --out server/default_model
 """
 
 from __future__ import annotations
