@@ -4,6 +4,14 @@
 #   docker run --gpus all -p 8000:8000 -v ~/.cache/huggingface:/models/hf -e HF_HUB_OFFLINE=1 \
 #       octavo --model gpt2
 #   docker run --gpus all -p 8000:8000 -v /path/to/gpt2:/models/gpt2 octavo --model /models/gpt2
+# Stage 1: the wheel, built exactly as the packaging test builds the one it installs and
+# serves (tests/packaging/test_wheel_install.py): pure Python, so any Python builds it.
+FROM python:3.12-slim AS wheel
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-deps --no-cache-dir . -w /dist
+
+# Stage 2: the runtime, with nothing of the source tree but that wheel.
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -17,13 +25,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/octavo
 
-WORKDIR /opt/octavo/src
-COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY kernels ./kernels
-COPY server ./server
 # On this image PyPI's default torch wheel is the CUDA build, which is what we want here.
-RUN pip install --upgrade pip && pip install .
+COPY --from=wheel /dist/ /tmp/dist/
+RUN pip install --upgrade pip && pip install /tmp/dist/octavo-*.whl && rm -rf /tmp/dist
 
 RUN useradd --create-home --uid 1000 octavo && mkdir -p /models && chown octavo /models
 USER octavo

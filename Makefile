@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test serve lint bench clean
+.PHONY: install test test-fast serve lint bench clean
 
 install: $(STAMP)
 
@@ -21,11 +21,17 @@ $(STAMP): pyproject.toml constraints.txt
 test: install
 	$(PY) -m pytest -q
 
+# The suite without the slow tiers (live servers, benchmark smoke runs, AOT, packaging).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
 serve: install
 	$(VENV)/bin/octavo serve
 
 lint: install
-	$(VENV)/bin/ruff check engine kernels server tests benchmarks
+	$(VENV)/bin/ruff check engine kernels server tests benchmarks tools octavo/__init__.py octavo/__main__.py
+	$(VENV)/bin/ruff format --check engine kernels server tests benchmarks tools
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

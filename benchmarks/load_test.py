@@ -239,7 +239,7 @@ def describe(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean_ms": None, "median_ms": None, "p90_ms": None, "p99_ms": None}
     ms = sorted(v * 1e3 for v in values)
-    stats = {"mean_ms": statistics.fmean(ms)}
+    stats: dict[str, float | None] = {"mean_ms": statistics.fmean(ms)}
     for p in PERCENTILES:
         key = "median_ms" if p == 50 else f"p{p}_ms"
         stats[key] = ms[min(len(ms) - 1, math.ceil(p / 100 * len(ms)) - 1)]
@@ -263,16 +263,16 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "goodput": len(good) / duration if slos else None,
-        "ttft": describe([r.ttft for r in ok]),
+        "ttft": describe([r.ttft for r in ok if r.ttft is not None]),
         "tpot": describe([r.tpot for r in ok if r.tpot is not None]),
         "itl": describe([itl for r in ok for itl in r.itls]),
-        "e2el": describe([r.e2el for r in ok]),
+        "e2el": describe([r.e2el for r in ok if r.e2el is not None]),
     }
 
 
 def _meets(result: RequestResult, slos: dict[str, float]) -> bool:
     values = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.e2el}
-    return all(values[k] is None or values[k] * 1e3 <= limit for k, limit in slos.items())
+    return all((value := values[k]) is None or value * 1e3 <= limit for k, limit in slos.items())
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     rates = (
         [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
     )
-    passes = []
+    passes: list[dict] = []
     for rate in rates:
         rng = random.Random(args.seed)
         requests = DATASETS[args.dataset_name](args, rng)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from octavo.engine.llm_engine import EngineStats, LLMEngine, ProcessedPrompt
 from octavo.engine.outputs import RequestOutput
-from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class RequestFailedError(RuntimeError):
 class _AddRequest:
     request_id: str
     prompt: ProcessedPrompt
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     arrival_time: float
 
 
@@ -136,11 +136,17 @@ class AsyncEngine:
         with self._lock:
             return self._stats.num_waiting_requests + self._num_pending_adds
 
-    def process_inputs(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+    def process_inputs(
+        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> ProcessedPrompt:
         return self.engine.process_inputs(prompt, params)
 
     def add_request(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams | BeamSearchParams,
+        arrival_time: float,
     ) -> AsyncIterator[RequestOutput]:
         """Queues a validated request and returns its output stream.
 

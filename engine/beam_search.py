@@ -56,7 +56,8 @@ class BeamState:
     max_new_tokens: int
     running_scores: torch.Tensor  # float32 [num_live_beams]
     slots: list[Hypothesis | None] = field(default_factory=list)  # beam_width, best first
-    slot_scores: torch.Tensor | None = None  # float32 [beam_width], NEG_INF_SCORE if empty
+    # float32 [beam_width], NEG_INF_SCORE if empty (create() sizes it).
+    slot_scores: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     heuristic_unsatisfied: bool = True
 
     @classmethod
@@ -152,6 +153,7 @@ class BeamSearch:
         generated: int,
     ) -> None:
         state = group.beam
+        assert state is not None
         state.running_scores = state.running_scores + logprob
         beam.append_token(token, float(logprob), None)
         stopped = token in state.stop_token_ids

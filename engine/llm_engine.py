@@ -273,7 +273,7 @@ class LLMEngine:
                 del self._groups[group.request_id]
             elif group.beam is not None:
                 continue  # beam search ranks whole sequences: only final outputs mean anything
-            elif group.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+            elif group.sampling.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
             outputs.append(self._output(group))
         return outputs

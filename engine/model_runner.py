@@ -92,7 +92,7 @@ class ModelRunner:
         if not step.sample_rows and not step.beam_rows:
             self._forward(step)  # a step of prefill chunks that sample nothing yet
             return ModelRunnerOutput(SamplerOutput([], [], []))
-        if self._graph_fits(step):
+        if self.graphs is not None and self._graph_fits(step):
             logits = self.graphs.run(
                 step.input_ids, step.positions, step.slots, step.tables, step.seq_lens
             )
@@ -134,7 +134,7 @@ class ModelRunner:
                     )
                 else:
                     step.sample_rows.append(len(step.input_ids) - 1)
-                    step.requests.append(SamplingRequest(item.group.sampling_params, target))
+                    step.requests.append(SamplingRequest(item.group.sampling, target))
         return step
 
     def _graph_fits(self, step: StepInputs) -> bool:

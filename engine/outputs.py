@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.engine.beam_search import Hypothesis, normalized_score
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.sequence import Sequence, SequenceGroup
 from octavo.engine.tokenizer import Tokenizer
 
@@ -60,12 +61,14 @@ class RequestOutput:
         if group.beam is not None:
             outputs = _beam_completions(group, tokenizer)
         else:
-            want_logprobs = group.sampling_params.logprobs is not None
+            params = group.sampling_params
+            assert isinstance(params, SamplingParams)
+            want_logprobs = params.logprobs is not None
             outputs = [_completion(i, seq, want_logprobs) for i, seq in enumerate(group.seqs)]
             if group.is_finished:  # ended before its prompt forked into n samples
                 outputs += [
                     _unstarted(i, group.seqs[0], want_logprobs)
-                    for i in range(len(outputs), group.sampling_params.n)
+                    for i in range(len(outputs), params.n)
                 ]
         metrics = RequestMetrics(
             group.arrival_time,
@@ -95,8 +98,9 @@ def _beam_completions(group: SequenceGroup, tokenizer: Tokenizer | None) -> list
     """The best num_return_sequences hypotheses, best first. A search aborted before any
     hypothesis finished reports its live beams, best first, with finish_reason "abort" (or
     "error" for a search that failed)."""
-    params = group.sampling_params
-    hypotheses = group.beam.hypotheses()
+    params, beam = group.sampling_params, group.beam
+    assert isinstance(params, BeamSearchParams) and beam is not None
+    hypotheses = beam.hypotheses()
     if not hypotheses:
         reason = "abort" if group.error is None else "error"
         hypotheses = [
@@ -106,7 +110,7 @@ def _beam_completions(group: SequenceGroup, tokenizer: Tokenizer | None) -> list
                 normalized_score(cumulative, max(seq.num_output_tokens, 1), params.length_penalty),
                 reason,
             )
-            for seq, cumulative in zip(group.seqs, group.beam.running_scores.tolist(), strict=False)
+            for seq, cumulative in zip(group.seqs, beam.running_scores.tolist(), strict=False)
         ]
     return [
         CompletionOutput(

@@ -66,7 +66,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    # None is taken for [] (vLLM accepts it); stored as a list.
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     max_tokens: int = 16
     min_tokens: int = 0
@@ -180,7 +181,7 @@ class BeamSearchParams:
     early_stopping: bool | str = False
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # None is taken for []
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

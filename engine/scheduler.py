@@ -277,6 +277,7 @@ class Scheduler:
                 continue
             beams = group.unfinished_seqs
             try:
+                assert result.beam_candidates is not None, "beam rows without candidates"
                 candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
                 self.beam_search.step(group, candidates)
             except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
@@ -325,7 +326,7 @@ class Scheduler:
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         new_text = seq.detokenizer.step(seq.output_token_ids)
-        self.stop_checker.check(seq, group.sampling_params, new_text)
+        self.stop_checker.check(seq, group.sampling, new_text)
         if not seq.is_finished:
             return
         if not isinstance(seq.stop_reason, str):

@@ -146,6 +146,12 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The parameters of a sampling (not beam search) request."""
+        assert isinstance(self.sampling_params, SamplingParams), "a beam search request"
+        return self.sampling_params
+
     def make_generator(self, index: int) -> torch.Generator | None:
         """The random generator of sample `index` of a seeded request (seed + index, as vLLM
         seeds parallel samples), or None to draw from the engine's shared generator."""

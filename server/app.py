@@ -74,7 +74,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return APIError(HTTPStatus.BAD_REQUEST, message).response()
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         # A field refused by a model-level check names itself in the error's context.
-        param = loc[0] if loc else (first.get("ctx") or {}).get("field")
+        ctx = first.get("ctx")
+        param = loc[0] if loc else (ctx.get("field") if isinstance(ctx, dict) else None)
         message = f"{'.'.join(loc) or param or 'body'}: {first.get('msg')}"
         return APIError(HTTPStatus.BAD_REQUEST, message, param=param).response()
 
@@ -123,7 +124,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
     return app
 
 

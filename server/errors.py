@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
@@ -28,7 +29,7 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status

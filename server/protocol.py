@@ -48,13 +48,15 @@ def _integral_float_to_int(value: Any) -> Any:
     return value
 
 
-def json_int(**bounds: int) -> Any:
-    """An integer field within `bounds` (Field's ge/le): a JSON integer, or a float with an
-    integral value. The bounds come first so that the JSON schema states them."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float_to_int)]
-
-
-TokenId = json_int(ge=0)
+# Integer fields: a JSON integer, or a float with an integral value (bounds first, so that
+# the JSON schema states them).
+_INTEGRAL = BeforeValidator(_integral_float_to_int)
+PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
+NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
+TopK = Annotated[int, Field(ge=-1), _INTEGRAL]
+LogprobsCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _INTEGRAL]
+TokenId = NonNegativeInt
 
 
 def _check_unicode(value: str | list | dict | None, field: str) -> None:
@@ -95,27 +97,27 @@ class CompletionRequest(BaseModel):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: json_int(ge=1) | None = 16
+    max_tokens: PositiveInt | None = 16
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: json_int(ge=1) = 1
+    n: PositiveInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: json_int(ge=0, le=MAX_LOGPROBS) | None = None
+    logprobs: LogprobsCount | None = None
     echo: bool = False
     stop: str | list[str] | None = Field(default=None)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    seed: json_int(ge=SEED_MIN, le=SEED_MAX) | None = None
+    seed: Seed | None = None
     user: str | None = None
-    best_of: json_int(ge=1) | None = None
+    best_of: PositiveInt | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: json_int(ge=-1) = 0
+    top_k: TopK = 0
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0)
-    min_tokens: json_int(ge=0) = 0
+    min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
@@ -177,9 +179,9 @@ class CompletionRequest(BaseModel):
         """The prompt field as a list of single prompts."""
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]
-        return list(self.prompt)
+        if all(isinstance(p, int) for p in self.prompt):  # one prompt of token ids
+            return [[p for p in self.prompt if isinstance(p, int)]]
+        return [p for p in self.prompt if not isinstance(p, int)]
 
 
 class ErrorBody(BaseModel):

@@ -210,7 +210,7 @@ class CompletionServing:
                     early_stopping=request.early_stopping,
                     min_tokens=request.min_tokens,
                     ignore_eos=request.ignore_eos,
-                    stop_token_ids=request.stop_token_ids,
+                    stop_token_ids=request.stop_token_ids or [],
                     skip_special_tokens=request.skip_special_tokens,
                 )
             except ParameterError as exc:  # name the fields as the client sent them
@@ -226,7 +226,7 @@ class CompletionServing:
             min_p=request.min_p,
             seed=request.seed,
             stop=request.stop,
-            stop_token_ids=request.stop_token_ids,
+            stop_token_ids=request.stop_token_ids or [],
             ignore_eos=request.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
@@ -236,7 +236,9 @@ class CompletionServing:
         )
 
     def _submit(
-        self, request_id: str, prompts: list[tuple[ProcessedPrompt, SamplingParams]]
+        self,
+        request_id: str,
+        prompts: list[tuple[ProcessedPrompt, SamplingParams | BeamSearchParams]],
     ) -> list[AsyncIterator[RequestOutput]]:
         arrival = time.monotonic()
         streams: list[AsyncIterator[RequestOutput]] = []
@@ -267,7 +269,8 @@ class CompletionServing:
         choices = []
         for index, final in enumerate(finals):
             assert final is not None and final.finished
-            self.metrics.observe_finished(final.metrics)
+            if final.metrics is not None:
+                self.metrics.observe_finished(final.metrics)
             for completion in final.outputs:
                 text = completion.text
                 if request.echo:
@@ -308,7 +311,8 @@ class CompletionServing:
                     yield sse_event(chunk)
                 if output.finished:
                     finals[index] = output
-                    self.metrics.observe_finished(output.metrics)
+                    if output.metrics is not None:
+                        self.metrics.observe_finished(output.metrics)
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse_event(
                     CompletionResponse(

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny GPT-2 checkpoints (real byte-level BPE tokenizer) and the HF oracle."""
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -12,8 +13,16 @@ import pytest  # noqa: E402
 
 from tests.checkpoints import TinySpec, make_checkpoint  # noqa: E402
 
+# The slow tiers (`make test-fast` leaves them out): live servers, benchmark smoke runs,
+# ahead-of-time compilation and the wheel install, by path relative to tests/.
+SLOW_PATHS = ("server/", "benchmarks/", "packaging/", "kernels/test_aot_compile.py")
+
 
 def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).parent
+    for item in items:
+        if item.path.relative_to(tests_dir).as_posix().startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,8 @@ class TorchAttentionMetadata(AttentionMetadata):
     """Adds the per-sequence gather plan, computed once per step for all layers."""
 
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
-    store_slots: torch.Tensor | None = None
-    sequences: list[SequenceSlice] | None = None
+    store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    sequences: list[SequenceSlice] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -87,6 +87,7 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
+        assert path is not None  # only dummy presets have no folder
         _load_safetensors(net, path, config)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.wte.weight  # to_empty re-creates parameters: tie again

@@ -79,7 +79,7 @@ def test_the_server_is_idle_and_serving_after_the_fuzzing(server):
     assert metrics["octavo:kv_cache_usage_perc"] == 0, metrics
 
 
-def test_schemathesis_finds_nothing(server):
+def test_schemathesis_finds_nothing(server, tmp_path):
     """Every check but positive_data_acceptance: that one expects every schema-valid body to
     be accepted, while some are rightly a 400 that no JSON Schema can state (a prompt plus
     max_tokens longer than the context, min_tokens > max_tokens, best_of < n with beam
@@ -90,7 +90,8 @@ def test_schemathesis_finds_nothing(server):
         "--checks", "all", "--exclude-checks", "positive_data_acceptance",
         "--max-examples", "60", "--seed", "0", "--workers", "1",
     ]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    # From a scratch folder: schemathesis keeps a cache in the working directory.
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     metrics = wait_for_idle(server, timeout=5.0)
     assert metrics["octavo:kv_cache_usage_perc"] == 0, metrics
