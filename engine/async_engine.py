@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from octavo.engine.llm_engine import EngineStats, LLMEngine, ProcessedPrompt
 from octavo.engine.outputs import RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,15 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         with self._lock:
             return self._stats.num_waiting_requests + self._num_pending_adds
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None for a checkpoint without tokenizer.json)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def process_inputs(
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,32 +21,55 @@ DEFAULT_CPU_KV_CACHE_GB = 2.0
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine is asked to run. `resolve()` turns "auto" values into concrete ones.
+    """What the engine is asked to run; the one source of the engine's settings.
 
-    - model: a Hugging Face-format folder, a hub id, or (with load_format="dummy") one of
-      gpt2 / gpt2-medium / gpt2-large / gpt2-xl or a folder holding only config.json.
-    - num_blocks: KV cache size in blocks (block 0 is the reserved null block); when None it
-      comes from kv_cache_gb on CPU or gpu_memory_utilization on CUDA.
-    - max_num_batched_tokens: token budget of one engine step (prefill chunks + decodes).
-    - max_model_len: longest sequence (prompt + output); defaults to the model's n_positions.
-    - attention_backend: "torch" (CPU path), "triton" (the kernels; on CPU only under the
-      Triton interpreter, for tests) or "auto"; enforce_eager disables CUDA graphs.
+    Each field's metadata["help"] (and "choices") is what `octavo serve --help` shows: the
+    CLI flags (`--max-num-seqs` for max_num_seqs, ...) and the keyword arguments of the
+    offline `LLM` are generated from these fields. The properties below resolve "auto".
     """
 
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_gb: float | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    load_format: str = "auto"
-    seed: int = 0
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    model: str = field(
+        metadata={"help": "Hugging Face-format folder or hub id (or, with --load-format "
+                  "dummy, gpt2 / gpt2-medium / gpt2-large / gpt2-xl or a folder with only "
+                  "config.json)"}
+    )  # fmt: skip
+    dtype: str = field(
+        default="auto", metadata={"help": "weights and KV cache dtype (auto: float16 on CUDA, "
+                                  "float32 on CPU)", "choices": ("auto", *DTYPES)}
+    )  # fmt: skip
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV cache size in blocks, block 0 reserved (default: from "
+                  "--kv-cache-gb on CPU, --gpu-memory-utilization on CUDA)"},
+    )  # fmt: skip
+    kv_cache_gb: float | None = field(
+        default=None, metadata={"help": "KV cache size on CPU when --num-blocks is not given"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "fraction of the GPU's memory for weights, activations "
+                               "and the KV cache"}
+    )  # fmt: skip
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences running at once"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one step (prefill chunks + decodes)"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest sequence (default: the model's n_positions)"}
+    )
+    load_format: str = field(
+        default="auto", metadata={"help": "dummy: random weights of the config's shape",
+                                  "choices": _LOAD_FORMATS}
+    )  # fmt: skip
+    seed: int = field(default=0, metadata={"help": "seed of the engine's shared generator"})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "triton on CUDA, torch on CPU unless named",
+                                  "choices": _ATTENTION_BACKENDS}
+    )  # fmt: skip
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "never replay decode steps from CUDA graphs"}
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -21,39 +22,10 @@ class LLM:
     EngineConfig. All prompts are validated before any runs: one bad prompt raises
     ValueError and nothing is queued."""
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        load_format: str = "auto",
-        kv_cache_gb: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-    ):
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_gb=kv_cache_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            load_format=load_format,
-            seed=seed,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-        )
+    def __init__(self, model: str, **engine_config: Any):
+        """`engine_config`: any EngineConfig field by name (dtype, device, num_blocks,
+        max_num_seqs, gpu_memory_utilization, ...); EngineConfig documents them all."""
+        config = EngineConfig(model=model, **engine_config)
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import uvicorn
@@ -29,55 +32,35 @@ logger = logging.getLogger(__name__)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
-    """Flags that mirror EngineConfig, shared by every subcommand that builds an engine."""
+    """One flag per EngineConfig field (--max-num-seqs for max_num_seqs): the field's type,
+    default, choices and help. A new engine setting is a new field, nothing here."""
     group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        required=default_model is None,
-        default=default_model,
-        help="Hugging Face-format folder or hub id (or a GPT-2 size with --load-format dummy)",
-    )
-    group.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
-    )
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--num-blocks", type=int, default=None)
-    group.add_argument(
-        "--kv-cache-gb",
-        type=float,
-        default=None,
-        help="KV cache size on CPU when --num-blocks is not given",
-    )
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    group.add_argument(
-        "--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs"
-    )
+    hints = typing.get_type_hints(EngineConfig)
+    for config_field in dataclasses.fields(EngineConfig):
+        flag = "--" + config_field.name.replace("_", "-")
+        options: dict[str, Any] = {"help": config_field.metadata.get("help")}
+        if "choices" in config_field.metadata:
+            options["choices"] = list(config_field.metadata["choices"])
+        kind = _flag_type(hints[config_field.name])
+        if kind is bool:
+            assert config_field.default is False, "a boolean setting is an opt-in flag"
+            group.add_argument(flag, action="store_true", **options)
+        elif config_field.name == "model":
+            group.add_argument(
+                flag, required=default_model is None, default=default_model, **options
+            )
+        else:
+            group.add_argument(flag, type=kind, default=config_field.default, **options)
+
+
+def _flag_type(hint: Any) -> type:
+    """The argparse type of a field annotation: `int | None` parses as int."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_gb=args.kv_cache_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        load_format=args.load_format,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-    )
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -70,8 +70,8 @@ class CompletionServing:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.tokenizer: Tokenizer | None = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.max_model_len = engine.max_model_len
 
     async def create(
         self, request: CompletionRequest, raw_request: Request | None = None

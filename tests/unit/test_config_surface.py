@@ -1,0 +1,44 @@
+"""EngineConfig is the one source of the engine's settings (issue 13, item 4): every field
+is a CLI flag with the field's default, and a keyword of the offline LLM."""
+
+import dataclasses
+
+import pytest
+
+from octavo import LLM, EngineConfig
+from octavo.server.cli import build_parser, engine_config_from_args
+
+FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_field_is_a_flag_with_its_default(command, capsys):
+    argv = [command] if command == "serve" else [command, "--model", "m", "hello"]
+    args = build_parser().parse_args(argv)
+    # serve defaults to the embedded model; every other field to EngineConfig's default.
+    assert engine_config_from_args(args) == EngineConfig(model=args.model)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    help_text = capsys.readouterr().out
+    for name in FIELDS:
+        assert "--" + name.replace("_", "-") in help_text, name
+
+
+def test_flags_parse_to_the_fields():
+    args = build_parser().parse_args(
+        ["serve", "--max-num-seqs", "7", "--enforce-eager", "--kv-cache-gb", "0.5",
+         "--num-blocks", "64", "--dtype", "float32", "--attention-backend", "torch"]
+    )  # fmt: skip
+    config = engine_config_from_args(args)
+    assert (config.max_num_seqs, config.enforce_eager, config.kv_cache_gb) == (7, True, 0.5)
+    assert (config.num_blocks, config.dtype, config.attention_backend) == (64, "float32", "torch")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "float8"])  # choices come from the field
+
+
+def test_llm_takes_every_field_by_keyword(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", num_blocks=64, max_num_seqs=3, block_size=8)
+    config = llm.engine.config
+    assert (config.num_blocks, config.max_num_seqs, config.block_size) == (64, 3, 8)
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(tiny_model_dir, max_num_sequences=3)
