@@ -35,8 +35,8 @@ UNSUPPORTED_VLLM_FIELDS = (
     "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "response_format", "structured_outputs", "logits_processors", "spaces_between_special_tokens",
-    "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "lora_request",
-    "priority", "kv_transfer_params", "vllm_xargs", "use_beam_search_legacy",
+    "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "priority",
+    "kv_transfer_params", "vllm_xargs",
 )  # fmt: skip
 
 
