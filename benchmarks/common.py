@@ -21,6 +21,9 @@ GPT2_PRESETS = {
     "gpt2-large": (36, 1280, 20),
     "gpt2-xl": (48, 1600, 25),
 }
+# The released GPT-2's vocabulary and context, and the 2-layer model of the smoke runs.
+GPT2_VOCAB, GPT2_N_POSITIONS = 50257, 1024
+SMOKE_PRESET = (2, 64, 2)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 

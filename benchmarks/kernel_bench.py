@@ -51,6 +51,7 @@ try:
 except ImportError:  # run as a plain script on a machine without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
 from octavo.kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
@@ -173,14 +174,11 @@ def num_input_sets(device: torch.device, bytes_read: int) -> int:
 
 def copy_bandwidth(shapes: Shapes, device: torch.device) -> float:
     """Bytes per second moved (read + write) by a device-to-device copy."""
-    src = torch.empty(shapes.copy_bytes // shapes.dtype.itemsize, dtype=shapes.dtype, device=device)
-    dst = torch.empty_like(src)
     if device.type == "cuda":
-        # Eager, not from a graph: on the H100 a captured copy_ (a memcpy node in the graph)
-        # moved 2418 GB/s where the eager copy moved 3004 GB/s.
-        ms = triton.testing.do_bench(partial(dst.copy_, src), return_mode="median")
-    else:
-        ms = time_ms([partial(dst.copy_, src)], device)
+        return device_copy_bandwidth(device, shapes.copy_bytes)
+    src = torch.empty(shapes.copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms([partial(dst.copy_, src)], device)
     return 2 * shapes.copy_bytes / (ms / 1e3)
 
 

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton.testing
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -45,17 +44,20 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import (
+from octavo.benchmarks.common import (  # noqa: E402
+    GPT2_N_POSITIONS,
     GPT2_PRESETS,
+    GPT2_VOCAB,
+    SMOKE_PRESET,
     default_result_file,
     machine_info,
     write_checkpoint,
 )
+from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from octavo.engine.config import DTYPES  # noqa: E402
 
-PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
-VOCAB, N_POSITIONS = 50257, 1024
+PRESETS = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 3, 1
 COPY_BYTES = 1 << 30
 STEP_ANNOTATION = "octavo_step"
@@ -90,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
         args.prompt_len = 8
     args.layers, args.hidden, args.heads = PRESETS[args.preset]
-    args.vocab, args.n_positions = VOCAB, N_POSITIONS
+    args.vocab, args.n_positions = GPT2_VOCAB, GPT2_N_POSITIONS
     return args
 
 
@@ -108,16 +110,6 @@ def start_decoding(engine: LLMEngine, args: argparse.Namespace, batch: int) -> N
         engine.step()
     for _ in range(args.warmup_steps):
         engine.step()
-
-
-def copy_bandwidth(device: str) -> float | None:
-    """Bytes per second (read + write) of a 1 GiB device-to-device copy; None off CUDA."""
-    if not device.startswith("cuda"):
-        return None
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * COPY_BYTES / (ms / 1e3)
 
 
 def bytes_per_step(engine: LLMEngine) -> int:
@@ -233,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=max(2048, max(args.batches)),
         )  # fmt: skip
         engine = LLMEngine(config)
-        bandwidth = copy_bandwidth(args.device)
+        bandwidth = device_copy_bandwidth(args.device, COPY_BYTES) if cuda else None
         for batch in args.batches:
             start_decoding(engine, args, batch)
             wall = wall_pass(engine, args.steps // 2)

@@ -36,7 +36,10 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks.common import (  # noqa: E402
+    GPT2_N_POSITIONS,
     GPT2_PRESETS,
+    GPT2_VOCAB,
+    SMOKE_PRESET,
     default_result_file,
     load_hf_model,
     machine_info,
@@ -47,8 +50,7 @@ from octavo.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from octavo.engine.config import DTYPES  # noqa: E402
 
 # (layers, n_embd, heads): the released GPT-2 sizes and the smoke model.
-PRESETS = {**GPT2_PRESETS, "smoke": (2, 64, 2)}
-VOCAB, N_POSITIONS = 50257, 1024
+PRESETS = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1
 KV_BLOCK_SIZE = 16  # the engine's default block size
 
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.preset, args.dtype = "smoke", "float32"
         args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
     args.layers, args.hidden, args.heads = PRESETS[args.preset]
-    args.vocab, args.n_positions = VOCAB, N_POSITIONS
+    args.vocab, args.n_positions = GPT2_VOCAB, GPT2_N_POSITIONS
     return args
 
 

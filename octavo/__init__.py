@@ -9,24 +9,6 @@ package holds them as octavo.engine, octavo.kernels, octavo.server and octavo.be
 top-level import an install adds.
 """
 
-from octavo.engine import (
-    LLM,
-    BeamSearchParams,
-    CompletionOutput,
-    EngineConfig,
-    LLMEngine,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
-
-__all__ = [
-    "LLM",
-    "BeamSearchParams",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLMEngine",
-    "RequestOutput",
-    "RequestOutputKind",
-    "SamplingParams",
-]
+# The public API is the engine's (octavo.engine.__all__: LLM, SamplingParams, ...).
+from octavo.engine import *  # noqa: F403
+from octavo.engine import __all__ as __all__

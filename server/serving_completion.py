@@ -74,7 +74,7 @@ class CompletionServing:
         self.max_model_len = engine.max_model_len
 
     async def create(
-        self, request: CompletionRequest, raw_request: Request | None = None
+        self, request: CompletionRequest, raw_request: Request
     ) -> JSONResponse | StreamingResponse | Response:
         """The response to one completion request. A non-streaming request whose client
         disconnects (`raw_request` says so) is aborted like a stream whose client left."""
@@ -86,8 +86,6 @@ class CompletionServing:
             body = self._stream(request_id, request, prompts, streams)
             return StreamingResponse(body, media_type="text/event-stream")
         completion = self._complete(request_id, request, prompts, streams)
-        if raw_request is None:
-            return JSONResponse((await completion).model_dump())
         result = await _unless_disconnected(raw_request, completion)
         if result is None:  # nobody is listening; the requests are aborted
             return Response(status_code=HTTPStatus.NO_CONTENT)
