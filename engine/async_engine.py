@@ -1,17 +1,26 @@
-"""The engine core stepping in a background thread, with one async output stream per request."""
+"""The server's engine: front end on the event loop, engine core in its own process (or thread),
+one async output stream per request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from octavo.engine.llm_engine import EngineStats, LLMEngine, ProcessedPrompt
+from octavo.engine.config import EngineConfig
+from octavo.engine.core_client import (
+    EngineCoreClient,
+    EngineCoreDiedError,
+    InprocessCoreClient,
+    MultiprocessCoreClient,
+)
+from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs, EngineStats
+from octavo.engine.engine_core import EngineCore
+from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
+from octavo.engine.models.weights import load_tokenizer
+from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.outputs import RequestOutput
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -25,77 +34,68 @@ class QueueFullError(RuntimeError):
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine is shutting down (or its loop died) and takes no new requests."""
+    """The engine is shutting down (or its core died) and takes no new requests."""
 
 
 class RequestFailedError(RuntimeError):
     """Processing this request raised inside the engine; the engine serves the others on."""
 
 
-@dataclass(frozen=True)
-class _AddRequest:
-    request_id: str
-    prompt: ProcessedPrompt
-    params: SamplingParams | BeamSearchParams
-    arrival_time: float
-
-
-@dataclass(frozen=True)
-class _AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Command = _AddRequest | _AbortRequest | _Stop
-
-
 class AsyncEngine:
-    """Runs `LLMEngine.step()` continuously in its own thread while requests come and go.
+    """Requests in, async streams of RequestOutputs out, with the core stepping elsewhere.
 
-    The event loop never touches the LLMEngine's mutable state: requests and aborts travel to
-    the engine thread through a command queue, drained before every step (so an abort frees
-    its blocks within one step), and each step's outputs come back to the loop in one
-    `call_soon_threadsafe`. Validation (`process_inputs`) is pure and runs in the caller, so a
-    bad request raises ValueError before anything is queued. The thread sleeps on the command
-    queue while no request is unfinished (no busy loop).
-
-    A torch step releases the GIL for its heavy ops, so the loop keeps serving HTTP while the
-    engine computes; a separate process would add IPC serialization per token for no gain on
-    a 2-core machine.
+    On the event loop: validation and tokenization (`InputProcessor`, so a bad request raises
+    ValueError before anything is queued), detokenization and stop strings
+    (`OutputProcessor`), and the streams. Everything bound for the core in one loop iteration
+    (requests, aborts, stop-string sample aborts) travels as one message, applied before the
+    core's next step, so an abort frees its blocks within one step; each step's outputs come
+    back as one message. A stream's consumer that falls behind gets its pending deltas merged
+    into one output.
     """
 
-    def __init__(self, engine: LLMEngine, max_num_waiting: int):
+    def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer | None, max_num_waiting: int):
         if max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be >= 1, got {max_num_waiting}")
-        self.engine = engine
+        self.client = client
         self.max_num_waiting = max_num_waiting
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self.input_processor = InputProcessor(tokenizer, client.limits)
+        self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._stats = client.initial_stats
+        self._num_requests_sent = client.initial_stats.num_requests_added
+        self._pending = EngineCoreInputs()
+        self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._num_pending_adds = 0  # submitted, not yet drained by the engine thread
-        self._stats = engine.stats()
         self._accepting = True
         self._dead: BaseException | None = None
         self._shutdown: asyncio.Future[None] | None = None
         self._fatal_handler: Callable[[BaseException], None] | None = None
 
+    @classmethod
+    def multiprocess(
+        cls, config: EngineConfig, max_num_waiting: int, core_threads: int | None = None
+    ) -> AsyncEngine:
+        """The core in a process of its own with `core_threads` torch threads; returns once
+        it is up (ValueError with the core's message if it could not start)."""
+        client = MultiprocessCoreClient(config, core_threads)
+        return cls(client, load_tokenizer(config.model, config.load_format), max_num_waiting)
+
+    @classmethod
+    def in_process(cls, config: EngineConfig, max_num_waiting: int) -> AsyncEngine:
+        """The core in a thread of this process (`client.core` is reachable)."""
+        client = InprocessCoreClient(EngineCore(config))
+        return cls(client, load_tokenizer(config.model, config.load_format), max_num_waiting)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the engine thread; call from the event loop that will consume outputs."""
+        """Connects the core's outputs to this event loop; call from the loop."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
-        self._thread.start()
+        self.client.start(self._loop, self._on_outputs, self._on_death)
 
     async def shutdown(self, grace_seconds: float) -> None:
         """Stops admitting, lets in-flight requests finish for `grace_seconds`, aborts the rest
-        (their streams end with finish_reason "abort"), then stops the thread. Idempotent:
+        (their streams end with finish_reason "abort"), then stops the core. Idempotent:
         later calls wait for the first one."""
         if self._shutdown is None:
             self._shutdown = asyncio.ensure_future(self._shutdown_now(grace_seconds))
@@ -103,23 +103,24 @@ class AsyncEngine:
 
     async def _shutdown_now(self, grace_seconds: float) -> None:
         self._accepting = False
-        deadline = asyncio.get_running_loop().time() + grace_seconds
-        while self._streams and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_seconds
+        while self._streams and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
         # Consumers receive their "abort" outputs and close their streams; a stream whose
         # consumer never started cannot close, hence the bound.
-        deadline = asyncio.get_running_loop().time() + ABORT_DRAIN_SECONDS
-        while self._streams and asyncio.get_running_loop().time() < deadline:
+        deadline = loop.time() + ABORT_DRAIN_SECONDS
+        while self._streams and loop.time() < deadline and self._dead is None:
             await asyncio.sleep(0.01)
-        self._commands.put(_Stop())
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        self._flush()
+        await asyncio.to_thread(self.client.close)
 
     def on_fatal(self, handler: Callable[[BaseException], None]) -> None:
-        """Registers what runs on the event loop, after every stream got its error, when a
-        step itself fails (the loop cannot go on): the server exits so that it is restarted."""
+        """Registers what runs on the event loop, after every stream got its error, when the
+        core dies (a step failed, its process was killed): the server exits so that it is
+        restarted."""
         self._fatal_handler = handler
 
     @property
@@ -129,27 +130,28 @@ class AsyncEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        """The snapshot published after the latest step."""
+        """The core's stats after its latest step."""
         return self._stats
 
     @property
     def num_waiting(self) -> int:
-        with self._lock:
-            return self._stats.num_waiting_requests + self._num_pending_adds
+        """Requests waiting for admission, those still on their way to the core included."""
+        in_flight = self._num_requests_sent - self._stats.num_requests_added
+        return self._stats.num_waiting_requests + in_flight
 
     @property
     def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (None for a checkpoint without tokenizer.json)."""
-        return self.engine.tokenizer
+        return self.input_processor.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.client.limits.max_model_len
 
     def process_inputs(
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
     ) -> ProcessedPrompt:
-        return self.engine.process_inputs(prompt, params)
+        return self.input_processor.process_inputs(prompt, params)
 
     def add_request(
         self,
@@ -158,33 +160,49 @@ class AsyncEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
     ) -> AsyncIterator[RequestOutput]:
-        """Queues a validated request and returns its output stream.
+        """Queues a validated request and returns its output stream (call on the loop).
 
         Raises EngineStoppedError when shutting down, QueueFullError when max_num_waiting
-        requests are waiting, ValueError for a duplicate request id. The stream yields a
-        RequestOutput per step that produced tokens and ends after the finished one; closing
-        it early (a client that went away) aborts the request.
+        requests are waiting, ValueError for a request id in use. The stream yields outputs
+        as the request's output kind says and ends after the finished one; closing it early
+        (a client that went away) aborts the request.
         """
         if not self.accepting:
             raise EngineStoppedError("the engine is shutting down")
-        if request_id in self._streams:
+        if request_id in self._streams or self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        with self._lock:
-            if self._stats.num_waiting_requests + self._num_pending_adds >= self.max_num_waiting:
-                raise QueueFullError(f"{self.max_num_waiting} requests are already waiting")
-            self._num_pending_adds += 1
+        if self.num_waiting >= self.max_num_waiting:
+            raise QueueFullError(f"{self.max_num_waiting} requests are already waiting")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(_AddRequest(request_id, prompt, params, arrival_time))
-        return self._iterate(request_id, stream)
+        self.output_processor.add_request(
+            request_id, prompt.text, prompt.token_ids, params, arrival_time
+        )
+        request = InputProcessor.core_request(request_id, prompt, params, arrival_time)
+        self._pending.requests.append(request)
+        self._num_requests_sent += 1
+        self._schedule_flush()
+        kind = params.output_kind if isinstance(params, SamplingParams) else None
+        return self._iterate(request_id, stream, kind)
 
     async def _iterate(
-        self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]
+        self,
+        request_id: str,
+        stream: asyncio.Queue[RequestOutput | BaseException],
+        kind: RequestOutputKind | None,
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
                 item = await stream.get()
+                while not isinstance(item, BaseException) and not stream.empty():
+                    later = stream.get_nowait()  # the consumer fell behind: one output for all
+                    if isinstance(later, BaseException):
+                        item = later
+                    elif kind is RequestOutputKind.DELTA:
+                        item.add(later)
+                    else:
+                        item = later
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -195,79 +213,37 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Aborts a request in the engine thread before its next step; a no-op if unknown."""
-        self._commands.put(_AbortRequest(request_id))
+        """Aborts a request in the core before its next step (its stream, if still read,
+        ends with finish_reason "abort"); a no-op if unknown. Call on the loop."""
+        if self.output_processor.has_request(request_id):
+            self._pending.aborts.append(request_id)
+            self._schedule_flush()
 
     def discard(self, request_id: str) -> None:
         """Aborts a request whose stream will never be iterated, and drops the stream."""
         self._streams.pop(request_id, None)
         self.abort(request_id)
 
-    # -- the engine thread -------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
-    def _run(self) -> None:
-        try:
-            while self._drain_commands():
-                outputs = self.engine.step()
-                self._publish(outputs)
-        except BaseException as exc:  # an engine bug: fail every stream instead of hanging
-            logger.exception("engine loop died")
-            self._dead = exc
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
+    def _flush(self) -> None:
+        """Sends everything queued for the core in this loop iteration as one message."""
+        self._flush_scheduled = False
+        pending = self._pending
+        if pending.requests or pending.aborts or pending.sample_aborts:
+            self._pending = EngineCoreInputs()
+            if self._dead is None:
+                self.client.send(pending)
 
-    def _drain_commands(self) -> bool:
-        """Applies queued commands; blocks while idle. False once asked to stop."""
-        block = not self.engine.has_unfinished_requests()
-        while True:
-            try:
-                command = self._commands.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if isinstance(command, _Stop):
-                return False
-            if isinstance(command, _AbortRequest):
-                final = self.engine.abort_request(command.request_id)
-                if final is not None:
-                    self._publish([final])
-                continue
-            self._add(command)
-            block = not self.engine.has_unfinished_requests()
+    # -- callbacks from the core client (on the loop) ----------------------------------------
 
-    def _add(self, command: _AddRequest) -> None:
-        try:
-            self.engine.add_request(
-                command.request_id, command.prompt, command.params, command.arrival_time
-            )
-        except ValueError as exc:  # e.g. an id reused after its stream closed
-            self._deliver_error(command.request_id, exc)
-        except Exception as exc:  # noqa: BLE001 -- fails this request, not the loop
-            logger.exception("adding request %s failed", command.request_id)
-            self._deliver_error(
-                command.request_id, RequestFailedError(f"{type(exc).__name__}: {exc}")
-            )
-        finally:
-            with self._lock:
-                self._num_pending_adds -= 1
-                self._stats = self.engine.stats()
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        stats = self.engine.stats()
-        with self._lock:
-            self._stats = stats
-        if outputs:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._deliver_one_error, request_id, exc)
-
-    # -- on the event loop -------------------------------------------------------------------
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self._stats = outputs.stats
+        processed = self.output_processor.process(outputs.outputs)
+        for output in processed.request_outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
@@ -275,14 +251,25 @@ class AsyncEngine:
                 stream.put_nowait(RequestFailedError(output.error))
             else:
                 stream.put_nowait(output)
+        if processed.sample_aborts or processed.aborts:
+            self._pending.sample_aborts.extend(processed.sample_aborts)
+            self._pending.aborts.extend(processed.aborts)
+            self._schedule_flush()
 
-    def _deliver_one_error(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(exc)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(EngineStoppedError(f"the engine loop died: {exc!r}"))
+    def _on_death(self, exc: BaseException) -> None:
+        self._dead = exc
+        for request_id, stream in self._streams.items():
+            stream.put_nowait(EngineStoppedError(f"the engine core died: {exc}"))
+            self.output_processor.forget(request_id)
         if self._fatal_handler is not None:
             self._fatal_handler(exc)
+
+
+__all__ = [
+    "ABORT_DRAIN_SECONDS",
+    "AsyncEngine",
+    "EngineCoreDiedError",
+    "EngineStoppedError",
+    "QueueFullError",
+    "RequestFailedError",
+]

@@ -41,6 +41,7 @@ class RequestOutputKind(Enum):
     """Which outputs a request produces while it runs."""
 
     CUMULATIVE = "cumulative"  # every step: everything generated so far
+    DELTA = "delta"  # every step: only what the step added
     FINAL_ONLY = "final_only"  # once, when the request finishes
 
 

@@ -98,6 +98,25 @@ class Scheduler:
                     return group
         return None
 
+    def abort_sample(self, request_id: str, index: int) -> SequenceGroup | None:
+        """Finishes sample `index` of a request (the front end matched one of its stop
+        strings) and frees its blocks; the request's other samples go on. Returns the group
+        if that was its last unfinished sample (it is then removed), else None."""
+        for queue in (self.running, self.waiting):
+            for group in queue:
+                if group.request_id != request_id:
+                    continue
+                for seq in group.unfinished_seqs:
+                    if seq.index == index:
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                if not group.is_finished:
+                    return None
+                queue.remove(group)
+                group.finished_time = time.monotonic()
+                return group
+        return None
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -217,7 +236,8 @@ class Scheduler:
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         children = []
         while group.needs_fork:
-            child = parent.fork(self.new_seq_id(), group.make_generator(len(group.seqs)))
+            index = len(group.seqs)
+            child = parent.fork(self.new_seq_id(), group.make_generator(index), index)
             self.block_manager.fork(parent, child)
             group.seqs.append(child)
             children.append(child)
@@ -325,10 +345,14 @@ class Scheduler:
             self.running.remove(group)
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        new_text = seq.detokenizer.step(seq.output_token_ids)
-        self.stop_checker.check(seq, group.sampling, new_text)
-        if not seq.is_finished:
+        decision = self.stop_checker.check(seq, group.sampling)
+        if decision is None:
             return
-        if not isinstance(seq.stop_reason, str):
-            seq.detokenizer.flush(seq.output_token_ids)
+        seq.status = (
+            SequenceStatus.FINISHED_LENGTH
+            if decision.finish_reason == "length"
+            else SequenceStatus.FINISHED_STOPPED
+        )
+        assert not isinstance(decision.stop_reason, str), "token rules match no text"
+        seq.stop_reason = decision.stop_reason
         self.block_manager.free(seq)

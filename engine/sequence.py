@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
-from octavo.engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from octavo.engine.beam_search import BeamState
@@ -46,19 +45,22 @@ class Sequence:
 
     `num_computed_tokens` counts the tokens whose K/V are in the cache; the tokens after it are
     what the next step must compute (a prefill chunk, or the one decode token). Preemption by
-    recompute resets it to 0 and keeps the tokens.
+    recompute resets it to 0 and keeps the tokens. `index` is the sample's place among its
+    request's outputs (fixed at creation: the n samples are 0..n-1).
     """
 
     seq_id: int
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
+    index: int = 0
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    stop_reason: int | str | None = None
+    # {token_id: logprob} of the newest token and its top alternatives, when asked for: the
+    # core emits each step's logprobs once and keeps no history of them.
+    last_logprobs: dict[int, float] | None = None
+    stop_reason: int | None = None  # the stop token id that finished the sequence
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -90,17 +92,17 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None):
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
-        if top_logprobs is not None:
-            self.output_logprobs.append(top_logprobs)
+        self.last_logprobs = top_logprobs
 
-    def fork(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
-        """A copy sharing nothing mutable with this one (block sharing is the BlockManager's)."""
-        child = Sequence(seq_id, self.prompt_token_ids, self.detokenizer.copy(), generator)
+    def fork(self, seq_id: int, generator: torch.Generator | None, index: int) -> Sequence:
+        """A copy sharing nothing mutable with this one (block sharing is the BlockManager's);
+        `index` is the child's sample index."""
+        child = Sequence(seq_id, self.prompt_token_ids, generator, index)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
-        child.output_logprobs = list(self.output_logprobs)
+        child.last_logprobs = self.last_logprobs
         return child
 
 

@@ -1,57 +1,63 @@
-"""Decides after each new token whether a sequence is finished, and cuts stop strings."""
+"""Stop rules as decisions: token rules for the core, stop strings for the front end."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.sequence import Sequence, SequenceStatus
+from octavo.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Why a sample ends: finish_reason "stop" (stop_reason: the stop token id or stop
+    string) or "length". `text_end`, for a stop string, is where its text is cut."""
+
+    finish_reason: str
+    stop_reason: int | str | None = None
+    text_end: int | None = None
 
 
 class StopChecker:
-    """Applies vLLM's stop rules, in order, to a sequence that just received a token.
+    """vLLM's token stop rules, in order, for a sequence that just received a token.
 
     Before `min_tokens` outputs only the length limits apply (the sampler already keeps EOS and
-    stop_token_ids from being drawn). Then: EOS (unless ignore_eos), stop_token_ids, stop
-    strings (searched in the newly decoded text plus enough of the old text to catch a string
-    split across tokens; the text is cut before the string unless include_stop_str_in_output),
-    max_tokens, max_model_len.
+    stop_token_ids from being drawn). Then: EOS (unless ignore_eos), stop_token_ids,
+    max_tokens, max_model_len. Stop strings are text, matched by the front end
+    (`find_stop_string`), which takes precedence over a length limit reached on the same token.
     """
 
     def __init__(self, max_model_len: int, eos_token_id: int | None):
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
 
-    def check(self, seq: Sequence, params: SamplingParams, new_text: str) -> None:
+    def check(self, seq: Sequence, params: SamplingParams) -> StopDecision | None:
         token_id = seq.token_ids[-1]
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id == self.eos_token_id:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
+                return StopDecision("stop")
             if token_id in params.stop_token_ids:
-                if new_text and not params.include_stop_str_in_output:
-                    seq.detokenizer.text = seq.detokenizer.text[: -len(new_text)]
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = token_id
-                return
-            if params.stop_strings and new_text and self._check_stop_strings(seq, params, new_text):
-                return
+                return StopDecision("stop", stop_reason=token_id)
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
+            return StopDecision("length")
+        return None
 
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, params: SamplingParams, new_text: str) -> bool:
-        text = seq.detokenizer.text
-        best: tuple[int, str] | None = None
-        for stop in params.stop_strings:
-            # A match must end inside the new text, so it starts at most len(stop) - 1 before it.
-            start = max(len(text) - len(new_text) - len(stop) + 1, 0)
-            index = text.find(stop, start)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return False
-        index, stop = best
-        cut = index + len(stop) if params.include_stop_str_in_output else index
-        seq.detokenizer.text = text[:cut]
-        seq.status = SequenceStatus.FINISHED_STOPPED
-        seq.stop_reason = stop
-        return True
+
+def find_stop_string(
+    text: str, num_new_chars: int, stop_strings: list[str], include_in_output: bool
+) -> StopDecision | None:
+    """The earliest stop string that ends inside the last `num_new_chars` characters of
+    `text` (one split across tokens included), as a decision whose `text_end` cuts the text
+    before the string, or after it with `include_in_output`; None if none matched."""
+    best: tuple[int, str] | None = None
+    for stop in stop_strings:
+        # A match must end inside the new text, so it starts at most len(stop) - 1 before it.
+        start = max(len(text) - num_new_chars - len(stop) + 1, 0)
+        index = text.find(stop, start)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    if best is None:
+        return None
+    index, stop = best
+    end = index + len(stop) if include_in_output else index
+    return StopDecision("stop", stop_reason=stop, text_end=end)

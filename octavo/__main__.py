@@ -4,4 +4,6 @@ import sys
 
 from octavo.server.cli import main
 
-sys.exit(main())
+# The guard matters: the engine core's process (spawned) imports this module again.
+if __name__ == "__main__":
+    sys.exit(main())

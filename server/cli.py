@@ -87,7 +87,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from octavo.engine.llm_engine import LLMEngine
     from octavo.server.app import create_app
     from octavo.server.serving_completion import ServerConfig
 
@@ -95,12 +94,18 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine_config = engine_config_from_args(args)
+    # The HTTP side (JSON, SSE framing and detokenization for every token) needs a core of
+    # its own: with every core in torch's pool the two contend (benchmarks/README.md).
+    model_threads = None
     if engine_config.torch_device.type == "cpu":
-        # The HTTP event loop (JSON and SSE for every token) needs a core of its own: with
-        # every core in torch's pool the two contend, and on 2 cores serving throughput drops
-        # by about a quarter (measured with `octavo bench serve`, benchmarks/README.md).
-        torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 2) - 1))
-    engine = AsyncEngine(LLMEngine(engine_config), args.max_num_waiting)
+        model_threads = args.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+    if args.inprocess_engine:
+        if model_threads is not None:
+            torch.set_num_threads(model_threads)
+        engine = AsyncEngine.in_process(engine_config, args.max_num_waiting)
+    else:
+        torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
+        engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, model_threads)
     name = args.served_model_name or (
         DEFAULT_MODEL_NAME if Path(args.model) == DEFAULT_MODEL else args.model
     )
@@ -130,7 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     if server.engine_failed:
-        logger.error("the engine loop died; exiting with status 1 so a supervisor restarts it")
+        logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
         return 1
     return 0
 
@@ -236,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="CPU threads for the model (default: all cores but one)",
+    )
+    serve.add_argument(
+        "--inprocess-engine",
+        action="store_true",
+        help="run the engine core in a thread of the API process instead of its own "
+        "process (debugging; slower: both then share one GIL)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]

@@ -57,7 +57,7 @@ class ServerMetrics:
         )
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive outputs of a request.",
+            "Time between consecutive events of a streamed request.",
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         )

@@ -21,9 +21,9 @@ from octavo.engine.async_engine import (
     RequestFailedError,
 )
 from octavo.engine.errors import ParameterError
-from octavo.engine.llm_engine import ProcessedPrompt
+from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import CompletionOutput, RequestOutput
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.tokenizer import Tokenizer
 from octavo.server.errors import APIError
 from octavo.server.metrics import ServerMetrics
@@ -35,7 +35,7 @@ from octavo.server.protocol import (
     Usage,
     completion_id,
 )
-from octavo.server.streaming import SSE_DONE, ChoiceStream, Delta, sse_event
+from octavo.server.streaming import SSE_DONE, Delta, sse_event
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -198,6 +198,8 @@ class CompletionServing:
 
     @staticmethod
     def _params(request: CompletionRequest, max_tokens: int) -> SamplingParams | BeamSearchParams:
+        """The engine parameters of a request. A stream takes delta outputs (each event is
+        what one or more steps added); a plain response only the final output."""
         if request.use_beam_search:
             try:
                 return BeamSearchParams(
@@ -231,6 +233,7 @@ class CompletionServing:
             logprobs=request.logprobs,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def _submit(
@@ -260,7 +263,7 @@ class CompletionServing:
     async def _complete(self, request_id, request, prompts, streams) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for index, output in self._timed(self._merge(streams)):
+            async for index, output in self._merge(streams):
                 finals[index] = output
         except Exception as exc:
             raise _engine_error(exc) from exc
@@ -276,27 +279,31 @@ class CompletionServing:
                 delta = Delta(completion.text, completion.token_ids, completion.logprobs, 0)
                 choice_index = index * request.n + completion.index
                 choices.append(self._choice(choice_index, text, delta, completion, request))
+        completion_tokens = sum(len(c.token_ids) for f in finals if f for c in f.outputs)
         return CompletionResponse(
             id=request_id,
             model=self.config.served_model_name,
             choices=choices,
-            usage=_usage(finals),
+            usage=_usage(prompts, completion_tokens),
         )
 
     async def _stream(self, request_id, request, prompts, streams) -> AsyncIterator[str]:
-        holdback = max((len(s) for s in prompts[0][1].stop_strings), default=1) - 1
-        trackers: dict[int, ChoiceStream] = {}
-        finals: list[RequestOutput | None] = [None] * len(streams)
+        """One event per delta output of each choice (the engine holds back text that could
+        still turn out to be a stop string), an optional usage event, then [DONE]."""
+        text_offsets: dict[int, int] = {}  # choice -> characters sent so far
+        completion_tokens = 0
         created = int(time.time())
         try:
             async for index, output in self._timed(self._merge(streams)):
                 for completion in output.outputs:
                     choice_index = index * request.n + completion.index
-                    tracker = trackers.setdefault(choice_index, ChoiceStream(holdback))
-                    first = tracker.sent_chars == 0 and tracker.sent_tokens == 0
-                    delta = tracker.next(completion)
-                    if delta is None:
-                        continue
+                    first = choice_index not in text_offsets
+                    offset = text_offsets.get(choice_index, 0)
+                    delta = Delta(
+                        completion.text, completion.token_ids, completion.logprobs, offset
+                    )
+                    text_offsets[choice_index] = offset + len(completion.text)
+                    completion_tokens += len(completion.token_ids)
                     text = delta.text
                     if request.echo and first:
                         text = self._prompt_text(output) + text
@@ -307,10 +314,8 @@ class CompletionServing:
                         choices=[self._choice(choice_index, text, delta, completion, request)],
                     )
                     yield sse_event(chunk)
-                if output.finished:
-                    finals[index] = output
-                    if output.metrics is not None:
-                        self.metrics.observe_finished(output.metrics)
+                if output.finished and output.metrics is not None:
+                    self.metrics.observe_finished(output.metrics)
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse_event(
                     CompletionResponse(
@@ -318,7 +323,7 @@ class CompletionServing:
                         created=created,
                         model=self.config.served_model_name,
                         choices=[],
-                        usage=_usage(finals),
+                        usage=_usage(prompts, completion_tokens),
                     )
                 )
         except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
@@ -461,9 +466,10 @@ async def _unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | 
     return None
 
 
-def _usage(finals: list[RequestOutput | None]) -> Usage:
-    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
-    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+def _usage(
+    prompts: list[tuple[ProcessedPrompt, SamplingParams | BeamSearchParams]], completion: int
+) -> Usage:
+    prompt = sum(len(p.token_ids) for p, _ in prompts)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )

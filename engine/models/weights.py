@@ -43,7 +43,6 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 class LoadedModel:
     model: GPT2LMHeadModel
     config: GPT2Config
-    tokenizer: Tokenizer | None
     eos_token_id: int | None
 
 
@@ -94,11 +93,16 @@ def load_model(
     net = net.to(dtype).eval()
     if device.type == "cuda":
         net.pad_lm_head(CUDA_LM_HEAD_ROW_MULTIPLE)
+    return LoadedModel(net, config, eos)
 
-    tokenizer = None
-    if path is not None and (path / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_file(path / "tokenizer.json")
-    return LoadedModel(net, config, tokenizer, eos)
+
+def load_tokenizer(model: str, load_format: str) -> Tokenizer | None:
+    """The model's tokenizer.json, or None (a dummy preset, a folder without one). Loads no
+    weights: the API process needs the tokenizer, never the model."""
+    if load_format == "dummy" and model in DUMMY_PRESETS:
+        return None
+    path = resolve_model_path(model) / "tokenizer.json"
+    return Tokenizer.from_file(path) if path.is_file() else None
 
 
 def _eos_token_id(path: Path | None, config: GPT2Config) -> int | None:

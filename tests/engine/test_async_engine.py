@@ -1,19 +1,33 @@
-"""AsyncEngine: streams per request, abort on close, queue bound, graceful shutdown."""
+"""AsyncEngine, with the core in a thread and in its own process: streams per request,
+abort on close, queue bound, graceful shutdown, delta outputs, a killed core."""
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 
-from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from octavo.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 
+MODES = ["in_process", "multiprocess"]
 
-def make(model_dir: str, max_num_waiting: int = 8) -> AsyncEngine:
+
+def make(
+    model_dir: str, max_num_waiting: int = 8, mode: str = "in_process", max_num_seqs: int = 2
+) -> AsyncEngine:
     config = EngineConfig(
-        model=model_dir, device="cpu", num_blocks=128, block_size=8, max_num_seqs=2
+        model=model_dir, device="cpu", num_blocks=128, block_size=8, max_num_seqs=max_num_seqs
     )
-    return AsyncEngine(LLMEngine(config), max_num_waiting)
+    if mode == "multiprocess":
+        return AsyncEngine.multiprocess(config, max_num_waiting, core_threads=1)
+    return AsyncEngine.in_process(config, max_num_waiting)
+
+
+def all_blocks_free(engine: AsyncEngine) -> bool:
+    stats = engine.stats()
+    return stats.num_free_blocks == stats.num_usable_blocks
 
 
 def submit(engine: AsyncEngine, request_id: str, prompt, **params):
@@ -27,17 +41,19 @@ async def drain(stream) -> list:
     return [output async for output in stream]
 
 
-def test_streams_match_the_sync_engine_and_blocks_come_back(tiny_model_dir):
+@pytest.mark.parametrize("mode", MODES)
+def test_streams_match_the_sync_engine_and_blocks_come_back(tiny_model_dir, mode):
     async def main():
-        engine = make(tiny_model_dir)
+        engine = make(tiny_model_dir, mode=mode)
         engine.start()
         outs = await asyncio.gather(
             *(drain(submit(engine, f"r{i}", [i + 1] * (i + 3))) for i in range(5))
         )
+        free = all_blocks_free(engine)
         await engine.shutdown(grace_seconds=1)
-        return engine, outs
+        return free, outs
 
-    engine, outs = asyncio.run(main())
+    free, outs = asyncio.run(main())
     sync = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=128, block_size=8))
     for i, stream in enumerate(outs):
         assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
@@ -45,13 +61,13 @@ def test_streams_match_the_sync_engine_and_blocks_come_back(tiny_model_dir):
         while sync.has_unfinished_requests():
             final = sync.step()
         assert stream[-1].outputs[0].token_ids == final[0].outputs[0].token_ids
-    bm = engine.engine.block_manager
-    assert bm.num_free_blocks == bm.num_usable_blocks
+    assert free
 
 
-def test_closing_a_stream_aborts_its_request(tiny_model_dir):
+@pytest.mark.parametrize("mode", MODES)
+def test_closing_a_stream_aborts_its_request(tiny_model_dir, mode):
     async def main():
-        engine = make(tiny_model_dir)
+        engine = make(tiny_model_dir, mode=mode)
         engine.start()
         stream = submit(engine, "long", [3] * 20, max_tokens=200, ignore_eos=True)
         await anext(stream)
@@ -68,9 +84,10 @@ def test_closing_a_stream_aborts_its_request(tiny_model_dir):
     assert stats.num_running_seqs == 0 and stats.kv_cache_usage == 0
 
 
-def test_queue_bound_and_shutdown_abort(tiny_model_dir):
+@pytest.mark.parametrize("mode", MODES)
+def test_queue_bound_and_shutdown_abort(tiny_model_dir, mode):
     async def main():
-        engine = make(tiny_model_dir, max_num_waiting=2)
+        engine = make(tiny_model_dir, max_num_waiting=2, mode=mode)
         engine.start()
         streams = [
             submit(engine, f"r{i}", [5, 6], max_tokens=100, ignore_eos=True) for i in range(2)
@@ -83,15 +100,14 @@ def test_queue_bound_and_shutdown_abort(tiny_model_dir):
         await engine.shutdown(grace_seconds=0)
         with pytest.raises(EngineStoppedError):
             submit(engine, "late", [5])
-        return [await t for t in tasks], engine
+        return [await t for t in tasks], all_blocks_free(engine)
 
-    results, engine = asyncio.run(main())
+    results, free = asyncio.run(main())
     for outputs in results:
         assert outputs[-1].finished
         assert {o.finish_reason for o in outputs[-1].outputs} <= {"abort", "length"}
     assert any(o.finish_reason == "abort" for r in results for o in r[-1].outputs)
-    bm = engine.engine.block_manager
-    assert bm.num_free_blocks == bm.num_usable_blocks
+    assert free
 
 
 def test_bad_input_raises_before_anything_is_queued(tiny_model_dir):
@@ -99,3 +115,67 @@ def test_bad_input_raises_before_anything_is_queued(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt"):
         engine.process_inputs([], SamplingParams())
     assert engine.num_waiting == 0
+
+
+def test_delta_streams_concatenate_to_the_final_output_for_every_request_kind(tiny_model_dir):
+    """n > 1 with logprobs and stop strings, seeded sampling and greedy: a DELTA stream's
+    outputs, merged, equal the FINAL_ONLY output of the same request."""
+    kinds = [
+        {"n": 3, "temperature": 0.9, "seed": 7, "logprobs": 2, "stop": [" the", "e"]},
+        {"temperature": 0, "max_tokens": 12, "stop": ["ab"], "include_stop_str_in_output": True},
+        {"n": 2, "temperature": 1.0, "seed": 1, "max_tokens": 9},
+    ]
+
+    async def main():
+        engine = make(tiny_model_dir, max_num_waiting=16, max_num_seqs=8)
+        engine.start()
+        results = []
+        for i, params in enumerate(kinds):
+            delta = drain(submit(engine, f"d{i}", "Hello world", **params,
+                                 output_kind=RequestOutputKind.DELTA))  # fmt: skip
+            final = drain(submit(engine, f"f{i}", "Hello world", **params,
+                                 output_kind=RequestOutputKind.FINAL_ONLY))  # fmt: skip
+            results.append((await delta, await final))
+        await engine.shutdown(grace_seconds=1)
+        return results
+
+    for deltas, (final,) in asyncio.run(main()):
+        merged = deltas[0]
+        for later in deltas[1:]:
+            merged.add(later)
+        assert merged.finished and len(merged.outputs) == len(final.outputs)
+        for got, want in zip(merged.outputs, final.outputs, strict=True):
+            assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+                want.index, want.text, want.token_ids, want.finish_reason, want.stop_reason
+            )  # fmt: skip
+            # A sample stopped by a stop string leaves the batch a step later or not, which
+            # moves the others' floats in the last bits: values agree, not bit for bit.
+            assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
+            if want.logprobs is not None:
+                assert [list(d) for d in got.logprobs] == [list(d) for d in want.logprobs]
+
+
+def test_a_killed_core_process_fails_every_stream_and_calls_the_fatal_handler(tiny_model_dir):
+    async def main():
+        engine = make(tiny_model_dir, mode="multiprocess")
+        fatal: list[BaseException] = []
+        engine.on_fatal(fatal.append)
+        engine.start()
+        streams = [
+            submit(engine, f"r{i}", [5, 6], max_tokens=10_000, ignore_eos=True) for i in range(2)
+        ]
+        await anext(streams[0])  # the core is stepping
+        os.kill(engine.client.process.pid, signal.SIGKILL)
+        results = []
+        for stream in streams:
+            try:
+                await asyncio.wait_for(drain(stream), timeout=10)
+            except EngineStoppedError as exc:
+                results.append(exc)
+        accepting = engine.accepting
+        await engine.shutdown(grace_seconds=0)
+        return results, fatal, accepting
+
+    results, fatal, accepting = asyncio.run(main())
+    assert len(results) == 2 and all("died" in str(r) for r in results)
+    assert len(fatal) == 1 and "-9" in str(fatal[0]) and not accepting

@@ -23,22 +23,19 @@ def engine_for(model_dir: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, device="cpu", num_blocks=256, block_size=4))
 
 
-def poison(engine: LLMEngine, request_id: str, where: str) -> None:
-    """Makes `request_id`'s detokenizer (the sampling path) or its beam step raise."""
-    if where == "detokenizer":
-        original_add = engine.add_request
+def poison(engine: LLMEngine | AsyncEngine, request_id: str, where: str) -> None:
+    """Makes building `request_id`'s outputs (detokenizing, in the output processor) or its
+    beam step (in the core) raise."""
+    if where == "output":
+        processor = engine.output_processor
+        apply = processor._apply
 
-        def add_request(rid, prompt, params, arrival_time=None):
-            original_add(rid, prompt, params, arrival_time)
-            if rid == request_id:
-                seq = engine._groups[rid].seqs[0]
+        def poisoned_apply(state, sample, delta):
+            if state.request_id == request_id:
+                raise RuntimeError("injected output fault")
+            apply(state, sample, delta)
 
-                def boom(token_ids):
-                    raise RuntimeError("injected detokenizer fault")
-
-                seq.detokenizer.step = boom
-
-        engine.add_request = add_request
+        processor._apply = poisoned_apply
     else:
         step = engine.scheduler.beam_search.step
 
@@ -50,7 +47,7 @@ def poison(engine: LLMEngine, request_id: str, where: str) -> None:
         engine.scheduler.beam_search.step = beam_step
 
 
-@pytest.mark.parametrize("where", ["detokenizer", "beam"])
+@pytest.mark.parametrize("where", ["output", "beam"])
 def test_a_fault_in_one_request_fails_it_alone(tiny_model_dir, hf_tiny, where):
     engine = engine_for(tiny_model_dir)
     prompts = sample_prompts(5, 3, 30, hf_tiny.config.vocab_size, seed=4)
@@ -125,7 +122,8 @@ def test_extreme_length_penalties_run_to_the_end(eos_model_dir, length_penalty):
 
 
 def make_async(model_dir: str) -> AsyncEngine:
-    return AsyncEngine(engine_for(model_dir), max_num_waiting=8)
+    config = EngineConfig(model=model_dir, device="cpu", num_blocks=256, block_size=4)
+    return AsyncEngine.in_process(config, max_num_waiting=8)
 
 
 async def collect(engine: AsyncEngine, request_id: str, prompt: list[int]):
@@ -142,7 +140,7 @@ async def collect(engine: AsyncEngine, request_id: str, prompt: list[int]):
 def test_the_async_engine_fails_one_stream_and_serves_the_others(tiny_model_dir):
     async def main():
         engine = make_async(tiny_model_dir)
-        poison(engine.engine, "bad", "detokenizer")
+        poison(engine, "bad", "output")
         engine.start()
         results = await asyncio.gather(
             collect(engine, "good-1", [1, 2, 3]),
@@ -158,7 +156,7 @@ def test_the_async_engine_fails_one_stream_and_serves_the_others(tiny_model_dir)
     for outputs in (good_1, good_2, after):
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
     assert engine.accepting is False  # shut down on purpose, not dead
-    bm = engine.engine.block_manager
+    bm = engine.client.core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
@@ -171,7 +169,7 @@ def test_a_step_fault_fails_every_stream_and_calls_the_fatal_handler(tiny_model_
         def broken_step(output):
             raise RuntimeError("injected step fault")
 
-        engine.engine.runner.execute = broken_step
+        engine.client.core.runner.execute = broken_step
         engine.start()
         results = await asyncio.wait_for(
             asyncio.gather(collect(engine, "a", [1, 2, 3]), collect(engine, "b", [4, 5])),

@@ -2,11 +2,12 @@
 error, the server stops instead of answering 503 forever, and `octavo serve` would exit 1."""
 
 import asyncio
+import time
 
 import httpx
 import uvicorn
 
-from octavo.engine import EngineConfig, LLMEngine
+from octavo.engine import EngineConfig
 from octavo.engine.async_engine import AsyncEngine
 from octavo.server.app import create_app
 from octavo.server.cli import GracefulServer
@@ -14,17 +15,19 @@ from octavo.server.serving_completion import ServerConfig
 from tests.server.conftest import free_port
 
 SERVE_TIMEOUT_S = 60
+STEP_DELAY_S = 0.5
 
 
 def test_a_step_fault_answers_the_request_and_stops_the_server(tiny_model_dir):
-    engine = AsyncEngine(
-        LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=64)), 8
+    engine = AsyncEngine.in_process(
+        EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=64), 8
     )
 
     def broken_step(output):
+        time.sleep(STEP_DELAY_S)  # both requests below are in flight when the step fails
         raise RuntimeError("injected step fault")
 
-    engine.engine.runner.execute = broken_step
+    engine.client.core.runner.execute = broken_step
     port = free_port()
     app = create_app(engine, ServerConfig(served_model_name="tiny", shutdown_grace_seconds=1))
     server = GracefulServer(
@@ -37,15 +40,17 @@ def test_a_step_fault_answers_the_request_and_stops_the_server(tiny_model_dir):
             await asyncio.sleep(0.05)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
-            plain = await client.post("/v1/completions", json=body)
-            streamed = await client.post("/v1/completions", json=body | {"stream": True})
+            plain, streamed = await asyncio.gather(
+                client.post("/v1/completions", json=body),
+                client.post("/v1/completions", json=body | {"stream": True}),
+            )
         await asyncio.wait_for(serving, timeout=SERVE_TIMEOUT_S)
         return plain, streamed
 
     plain, streamed = asyncio.run(main())
     assert plain.status_code == 503, plain.text
     assert "injected step fault" in plain.json()["error"]["message"]
-    # The stream was refused (the engine was already dead) or ended with an error event.
+    # The stream ended with an error event (or was refused if the engine was already dead).
     if streamed.status_code == 200:
         assert '"error"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
     else:

@@ -4,11 +4,10 @@ import pytest
 
 from octavo.engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
 from octavo.engine.sequence import Sequence
-from octavo.engine.tokenizer import IncrementalDetokenizer
 
 
 def make_seq(seq_id: int, num_tokens: int) -> Sequence:
-    return Sequence(seq_id, list(range(1, num_tokens + 1)), IncrementalDetokenizer(None))
+    return Sequence(seq_id, list(range(1, num_tokens + 1)))
 
 
 def compute(bm: BlockManager, seq: Sequence, num_new: int) -> None:
@@ -57,7 +56,7 @@ def test_fork_shares_blocks_and_copy_on_write_copies_only_the_partial_last_block
     bm = BlockManager(num_blocks=8, block_size=4)
     parent = make_seq(0, 6)
     compute(bm, parent, 6)  # blocks [1, 2]; block 2 holds positions 4, 5
-    child = parent.fork(1, None)
+    child = parent.fork(1, None, 1)
     bm.fork(parent, child)
     bm.check_invariants()
     assert bm.get_block_table(child) == [1, 2]
@@ -90,7 +89,7 @@ def test_fork_at_a_block_boundary_copies_nothing():
     compute(bm, parent, 8)  # [1, 2], both full
     children = []
     for seq_id in (1, 2, 3):
-        child = parent.fork(seq_id, None)
+        child = parent.fork(seq_id, None, seq_id)
         bm.fork(parent, child)
         bm.check_invariants()
         children.append(child)

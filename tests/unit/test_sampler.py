@@ -14,7 +14,6 @@ from octavo.engine.sampler import (
 )
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.sequence import Sequence
-from octavo.engine.tokenizer import IncrementalDetokenizer
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 EOS = 4
@@ -25,7 +24,7 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
 
 
 def request(prompt=(1,), output=(), seed=None, **params) -> SamplingRequest:
-    seq = Sequence(0, list(prompt), IncrementalDetokenizer(None))
+    seq = Sequence(0, list(prompt))
     seq.token_ids += list(output)
     if seed is not None:
         seq.generator = torch.Generator().manual_seed(seed)

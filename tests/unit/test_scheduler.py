@@ -8,7 +8,6 @@ from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.stop_checker import StopChecker
-from octavo.engine.tokenizer import IncrementalDetokenizer
 
 EOS = 0
 _tokens = itertools.count(10)
@@ -31,9 +30,7 @@ def add(scheduler, request_id, prompt_len, **params):
         SamplingParams(temperature=0.0, **params),
         arrival_time=0.0,
     )
-    group.seqs.append(
-        Sequence(scheduler.new_seq_id(), group.prompt_token_ids, IncrementalDetokenizer(None))
-    )
+    group.seqs.append(Sequence(scheduler.new_seq_id(), group.prompt_token_ids))
     scheduler.add(group)
     return group
 

@@ -1,0 +1,251 @@
+"""How the AsyncEngine reaches its engine core: a thread of this process, or its own process.
+
+Both clients carry the same messages (EngineCoreInputs in, EngineCoreOutputs out) and call
+back on the event loop, so the front end (input and output processors, streams) is one code
+path. `MultiprocessCoreClient` is what `octavo serve` uses: the core steps in a process of
+its own and never competes with HTTP for the GIL. `InprocessCoreClient` keeps everything in
+one process (tests, debugging, `--inprocess-engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from octavo.engine.config import EngineConfig
+from octavo.engine.core_messages import (
+    CoreMessage,
+    EngineCoreFailed,
+    EngineCoreInputs,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineStats,
+    ModelLimits,
+)
+from octavo.engine.core_process import run_engine_core
+from octavo.engine.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+OutputHandler = Callable[[EngineCoreOutputs], None]
+DeathHandler = Callable[[BaseException], None]
+
+# Loading a model and sizing its cache takes seconds on CPU; minutes only for a large
+# checkpoint fetched from the hub.
+CORE_STARTUP_TIMEOUT_S = 600.0
+# After `shutdown`, how long the core may take to exit before it is terminated.
+CORE_EXIT_TIMEOUT_S = 10.0
+
+
+class EngineCoreDiedError(RuntimeError):
+    """The engine core stopped without being asked to (its loop raised, or its process
+    exited); no request in flight can finish."""
+
+
+class EngineCoreClient(ABC):
+    """The front end's handle on a core. `limits` and `initial_stats` are known once the
+    constructor returns (the core is up); `start` wires the callbacks, which run on `loop`:
+    `on_outputs` for each EngineCoreOutputs, `on_death` once if the core dies."""
+
+    limits: ModelLimits
+    initial_stats: EngineStats
+
+    @abstractmethod
+    def start(
+        self, loop: asyncio.AbstractEventLoop, on_outputs: OutputHandler, on_death: DeathHandler
+    ) -> None: ...
+
+    @abstractmethod
+    def send(self, inputs: EngineCoreInputs) -> None:
+        """Queues inputs for the core without blocking (called on the event loop)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops the core (blocking until it has): after the in-flight requests ended."""
+
+
+class InprocessCoreClient(EngineCoreClient):
+    """The core's busy loop in a daemon thread of this process."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.limits = core.limits
+        self.initial_stats = core.stats()
+        self._inputs: queue.SimpleQueue[EngineCoreInputs] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(
+        self, loop: asyncio.AbstractEventLoop, on_outputs: OutputHandler, on_death: DeathHandler
+    ) -> None:
+        def receive(block: bool) -> EngineCoreInputs | None:
+            try:
+                return self._inputs.get(block=block)
+            except queue.Empty:
+                return None
+
+        def send(outputs: EngineCoreOutputs) -> None:
+            loop.call_soon_threadsafe(on_outputs, outputs)
+
+        def run() -> None:
+            try:
+                self.core.run_busy_loop(receive, send)
+            except BaseException as exc:  # the loop cannot go on: every stream must hear it
+                logger.exception("engine core loop died")
+                loop.call_soon_threadsafe(on_death, EngineCoreDiedError(f"{exc!r}"))
+
+        self._thread = threading.Thread(target=run, name="octavo-engine-core", daemon=True)
+        self._thread.start()
+
+    def send(self, inputs: EngineCoreInputs) -> None:
+        self._inputs.put(inputs)
+
+    def close(self) -> None:
+        self._inputs.put(EngineCoreInputs(shutdown=True))
+        if self._thread is not None:
+            self._thread.join()
+
+
+class MultiprocessCoreClient(EngineCoreClient):
+    """Spawns `core_process.run_engine_core` and talks to it over two IPC sockets.
+
+    The constructor returns once the core reports ready, and raises ValueError with the
+    core's message if it could not start (a bad model path, say). A receiver thread decodes
+    what the core sends and watches the process: if it exits unasked (killed, crashed),
+    `on_death` runs at once, not at the next timeout.
+    """
+
+    def __init__(self, config: EngineConfig, num_threads: int | None):
+        self._dir = Path(tempfile.mkdtemp(prefix="octavo-core-"))
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # sending never blocks the event loop
+        self._input.bind(f"ipc://{self._dir / 'input'}")
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(f"ipc://{self._dir / 'output'}")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[CoreMessage] = msgspec.msgpack.Decoder(
+            CoreMessage  # type: ignore[arg-type]  # a union of tagged Structs
+        )
+        # spawn, not fork: this process already runs threads (torch's, uvicorn's).
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(
+                config,
+                f"ipc://{self._dir / 'input'}",
+                f"ipc://{self._dir / 'output'}",
+                num_threads,
+                os.getpid(),
+            ),
+            name="octavo-engine-core",
+            daemon=True,
+        )
+        self._closing = False
+        self._receiver: threading.Thread | None = None
+        self.process.start()
+        try:
+            ready = self._wait_ready()
+        except BaseException:
+            self._stop_process()
+            self._cleanup()
+            raise
+        self.limits = ready.limits
+        self.initial_stats = ready.stats
+
+    def _wait_ready(self) -> EngineCoreReady:
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self.process.sentinel, zmq.POLLIN)
+        events = dict(poller.poll(int(CORE_STARTUP_TIMEOUT_S * 1000)))
+        if self._output in events:
+            message = self._decoder.decode(self._output.recv())
+            if isinstance(message, EngineCoreReady):
+                return message
+            if isinstance(message, EngineCoreFailed):
+                raise ValueError(message.error)
+        if not events:
+            raise RuntimeError(f"the engine core did not start in {CORE_STARTUP_TIMEOUT_S} s")
+        self.process.join()
+        raise RuntimeError(f"the engine core exited with status {self.process.exitcode}")
+
+    def start(
+        self, loop: asyncio.AbstractEventLoop, on_outputs: OutputHandler, on_death: DeathHandler
+    ) -> None:
+        self._receiver = threading.Thread(
+            target=self._receive_loop,
+            args=(loop, on_outputs, on_death),
+            name="octavo-core-receiver",
+            daemon=True,
+        )
+        self._receiver.start()
+
+    def _receive_loop(
+        self, loop: asyncio.AbstractEventLoop, on_outputs: OutputHandler, on_death: DeathHandler
+    ) -> None:
+        """Decodes the core's messages and hands them to the loop, until the process ends."""
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self.process.sentinel, zmq.POLLIN)
+        death: EngineCoreDiedError | None = None
+        while death is None:
+            events = dict(poller.poll())
+            while True:  # drain everything the core sent before looking at its exit
+                try:
+                    data = self._output.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                message = self._decoder.decode(data.buffer)
+                if isinstance(message, EngineCoreOutputs):
+                    loop.call_soon_threadsafe(on_outputs, message)
+                elif isinstance(message, EngineCoreFailed):
+                    death = EngineCoreDiedError(f"the engine core failed: {message.error}")
+            if self.process.sentinel in events and death is None:
+                self.process.join()
+                if self._closing:
+                    return
+                death = EngineCoreDiedError(
+                    f"the engine core process exited with status {self.process.exitcode}"
+                )
+        logger.error("%s", death)
+        loop.call_soon_threadsafe(on_death, death)
+
+    def send(self, inputs: EngineCoreInputs) -> None:
+        self._input.send(self._encoder.encode(inputs), copy=False)
+
+    def close(self) -> None:
+        """Asks the core to shut down, waits for it (terminates it past the timeout), and
+        removes the sockets."""
+        self._closing = True
+        if self.process.is_alive():
+            self.send(EngineCoreInputs(shutdown=True))
+        self._stop_process()
+        if self._receiver is not None:
+            self._receiver.join()
+        self._cleanup()
+
+    def _stop_process(self) -> None:
+        self._closing = True
+        self.process.join(CORE_EXIT_TIMEOUT_S)
+        if self.process.is_alive():
+            logger.warning("the engine core did not exit; terminating it")
+            self.process.kill()
+            self.process.join()
+
+    def _cleanup(self) -> None:
+        """Closes the sockets (the receiver thread, their other user, has ended)."""
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

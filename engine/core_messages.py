@@ -1,0 +1,143 @@
+"""What crosses the boundary between the front end and the engine core (vLLM's
+EngineCoreRequest / EngineCoreOutputs), in-process or over ZMQ.
+
+Every message is a msgspec Struct so that the same objects are passed by reference in one
+process and encoded to msgpack between two (no pickle: nothing decoded can run code). The core
+sees token ids only: text, detokenization and stop strings are the front end's
+(`OutputProcessor`). Outputs are *deltas*: the tokens a step added, never a copy of what was
+sent before.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A validated request; exactly one of sampling_params / beam_params is set."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    arrival_time: float
+    sampling_params: SamplingParams | None = None
+    beam_params: BeamSearchParams | None = None
+
+    @property
+    def params(self) -> SamplingParams | BeamSearchParams:
+        params = self.sampling_params or self.beam_params
+        assert params is not None, "a request carries sampling or beam search parameters"
+        return params
+
+
+class SampleAbort(msgspec.Struct, array_like=True, frozen=True):
+    """Stops one sample of a request (a stop string the front end matched); the request's
+    other samples go on."""
+
+    request_id: str
+    index: int
+
+
+class EngineCoreInputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything the front end sent since its last message, applied before the next step:
+    new requests, whole-request aborts, sample aborts; `shutdown` stops the core."""
+
+    requests: list[EngineCoreRequest] = []
+    aborts: list[str] = []
+    sample_aborts: list[SampleAbort] = []
+    shutdown: bool = False
+
+
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sample of a request gained in a step.
+
+    new_logprobs holds, per new token, {token_id: logprob} for the sampled token and the top-N
+    alternatives when the request asked for logprobs. finish_reason is set when the core
+    finished the sample on a token rule (EOS, a stop token, max_tokens, max_model_len);
+    stop_reason is then the stop token id, if one matched.
+    """
+
+    index: int
+    new_token_ids: list[int]
+    cumulative_logprob: float
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+class BeamResult(msgspec.Struct, array_like=True):
+    """One returned hypothesis of a finished beam search (token ids; the front end decodes)."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    finish_reason: str
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request's progress in one step. `finished` comes once, and with it the final
+    hypotheses of a beam search, or `error` when processing the request raised.
+    `first_scheduled_time` (time.monotonic(): one clock for every process of the host) comes
+    with the first token and with the end."""
+
+    request_id: str
+    samples: list[SampleDelta] = []
+    finished: bool = False
+    error: str | None = None
+    beams: list[BeamResult] | None = None
+    first_scheduled_time: float | None = None
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """The core's counters after a step, for metrics and admission control.
+    num_requests_added counts every request the core has taken in, so that the front end can
+    tell how many it sent are still on the wire."""
+
+    num_running_seqs: int
+    num_waiting_requests: int
+    num_free_blocks: int
+    num_usable_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_requests_added: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):
+    """One step's outputs (only requests that progressed) and the stats after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+
+
+class ModelLimits(msgspec.Struct, array_like=True, frozen=True):
+    """What the front end validates requests against; known once the core has loaded the
+    model and sized its KV cache."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    max_num_seqs: int
+    block_size: int
+    num_usable_blocks: int
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True, tag=True):
+    """The core process is up: the first message it sends."""
+
+    limits: ModelLimits
+    stats: EngineStats
+
+
+class EngineCoreFailed(msgspec.Struct, array_like=True, tag=True):
+    """The core process could not start (`startup` True: a configuration error, such as a
+    missing model) or its loop died; it exits after sending this."""
+
+    error: str
+    startup: bool
+
+
+# What the core process sends; decoded by the front end with one typed decoder.
+CoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreFailed

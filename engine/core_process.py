@@ -1,0 +1,102 @@
+"""The engine core's own process: ZMQ sockets in and out, msgpack messages, one busy loop.
+
+The front end (API process) binds two IPC sockets and spawns this process, which connects:
+EngineCoreInputs arrive on a PULL socket, and EngineCoreReady, then one EngineCoreOutputs per
+step (or EngineCoreFailed) leave on a PUSH socket. The process owns every CPU thread torch
+uses for the model; the API process keeps its core(s) for HTTP, JSON and detokenization, and
+neither waits on the other's GIL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import torch
+import zmq
+
+from octavo.engine.config import EngineConfig
+from octavo.engine.core_messages import (
+    CoreMessage,
+    EngineCoreFailed,
+    EngineCoreInputs,
+    EngineCoreReady,
+)
+from octavo.engine.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+# How often an idle core checks that the API process that spawned it is still alive.
+PARENT_CHECK_MS = 1000
+# How long the last messages may take to leave when the process ends.
+LINGER_MS = 2000
+
+
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    num_threads: int | None,
+    parent_pid: int,
+) -> None:
+    """The process's entry point (a spawn target); exits 0 on shutdown, 1 on a failure
+    (reported as EngineCoreFailed first)."""
+    # Ctrl-C reaches the whole process group; the API process decides how the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
+    )
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow front end
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+
+    def send(message: CoreMessage) -> None:
+        outputs.send(encoder.encode(message), copy=False)
+
+    status = 0
+    try:
+        core = EngineCore(config)
+    except Exception as exc:  # noqa: BLE001 -- reported to the front end, which raises it
+        send(EngineCoreFailed(f"{exc}", startup=True))
+        status = 1
+    else:
+        send(EngineCoreReady(core.limits, core.stats()))
+        try:
+            core.run_busy_loop(_receiver(inputs, parent_pid), send)
+        except BaseException as exc:
+            logger.exception("engine core loop died")
+            send(EngineCoreFailed(f"{type(exc).__name__}: {exc}", startup=False))
+            status = 1
+    outputs.close(linger=LINGER_MS)
+    inputs.close(linger=0)
+    context.term()
+    sys.exit(status)
+
+
+def _receiver(socket: zmq.Socket, parent_pid: int):
+    """`receive(block)` for the busy loop: the next EngineCoreInputs, or None when none is
+    waiting (after waiting, if `block`, until one comes). An orphaned core shuts down."""
+    decoder = msgspec.msgpack.Decoder(EngineCoreInputs)
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+
+    def receive(block: bool) -> EngineCoreInputs | None:
+        while True:
+            if poller.poll(PARENT_CHECK_MS if block else 0):
+                return decoder.decode(socket.recv(copy=False).buffer)
+            if not block:
+                return None
+            if os.getppid() != parent_pid:
+                logger.error("the API process is gone; the engine core stops")
+                return EngineCoreInputs(shutdown=True)
+
+    return receive

@@ -1,0 +1,334 @@
+"""The engine core: model, KV cache, scheduler and sampler, stepping on token ids alone.
+
+It knows no text: requests arrive validated and tokenized (`InputProcessor`), and each step
+returns only what changed (`EngineCoreOutputs` of delta outputs), which the front end's
+`OutputProcessor` turns into text and stop-string decisions. The same class runs inside the
+offline `LLMEngine`, in the `AsyncEngine`'s thread, or in its own process (`core_process`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from octavo import kernels
+from octavo.engine.attention.backend import AttentionBackend
+from octavo.engine.attention.torch_backend import TorchAttentionBackend
+from octavo.engine.attention.triton_backend import TritonAttentionBackend
+from octavo.engine.beam_search import BeamState, Hypothesis, normalized_score
+from octavo.engine.block_manager import BlockManager
+from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from octavo.engine.core_messages import (
+    BeamResult,
+    EngineCoreInputs,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    ModelLimits,
+    SampleDelta,
+)
+from octavo.engine.errors import ParameterError
+from octavo.engine.model_runner import ModelRunner, profile_activation_bytes
+from octavo.engine.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.models.weights import load_model
+from octavo.engine.sampler import Sampler
+from octavo.engine.sampling_params import BeamSearchParams
+from octavo.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from octavo.engine.sequence import Sequence, SequenceGroup
+from octavo.engine.stop_checker import StopChecker
+
+_GIB = 1 << 30
+
+
+def make_backend(config: EngineConfig) -> AttentionBackend:
+    """The configured attention backend; triton on CPU needs the Triton interpreter."""
+    if config.backend_name == "torch":
+        return TorchAttentionBackend()
+    if config.torch_device.type != "cuda" and not kernels.interpreter_active():
+        raise ValueError(
+            "attention_backend='triton' needs CUDA, or on CPU the Triton "
+            "interpreter (TRITON_INTERPRET=1 set before the engine is imported)"
+        )
+    return TritonAttentionBackend()
+
+
+class EngineCore:
+    """Owns model, KV cache, scheduler and sampler; `step()` advances every running request.
+
+    Requests come validated (the front end checked them against `limits`); a request the core
+    still cannot take (a duplicate id, a seed its generator refuses) raises ValueError in
+    `add_request` and disturbs nobody else.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.torch_device
+        dtype = config.torch_dtype
+        backend = make_backend(config)
+        if config.block_size < backend.min_block_size:
+            raise ValueError(
+                f"block_size must be >= {backend.min_block_size} for the "
+                f"{backend.name} attention backend, got {config.block_size}"
+            )
+        loaded = load_model(
+            config.model, config.load_format, backend, self.device, dtype, config.seed
+        )
+        self.model_config = loaded.config
+        self.eos_token_id = loaded.eos_token_id
+        n_positions = self.model_config.n_positions
+        self.max_model_len = config.max_model_len or n_positions
+        if self.max_model_len > n_positions:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"n_positions ({n_positions})"
+            )
+
+        num_blocks = config.num_blocks or self._default_num_blocks(loaded.model, backend, dtype)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        needed = self.block_manager.num_blocks_for_tokens(self.max_model_len)
+        if needed > self.block_manager.num_usable_blocks:
+            raise ValueError(
+                f"num_blocks={num_blocks} cannot hold one sequence of max_model_len "
+                f"{self.max_model_len} ({needed} blocks of {config.block_size} "
+                f"tokens plus the null block)"
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self.block_manager,
+            StopChecker(self.max_model_len, self.eos_token_id),
+        )
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(
+            loaded.model,
+            backend,
+            self.block_manager,
+            Sampler(self.eos_token_id, generator),
+            num_blocks,
+            config.block_size,
+            self.device,
+            dtype,
+        )
+        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        self.limits = ModelLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id,
+            max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
+            num_usable_blocks=self.block_manager.num_usable_blocks,
+        )
+        self._groups: dict[str, SequenceGroup] = {}
+        self._num_requests_added = 0
+
+    def _default_num_blocks(
+        self, model: GPT2LMHeadModel, backend: AttentionBackend, dtype: torch.dtype
+    ) -> int:
+        """CPU: kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use
+        (weights) and what the largest step needs on top (profiled with a dummy step)."""
+        config = self.config
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, dtype)
+        if self.device.type == "cuda":
+            activation = profile_activation_bytes(
+                model, backend, config.max_num_batched_tokens, config.max_num_seqs,
+                self.max_model_len, config.block_size,
+            )  # fmt: skip
+            # Blocks torch's allocator caches but no tensor holds (a previous engine's, say)
+            # are free for this cache: hand them back before reading the device's free memory.
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * config.gpu_memory_utilization - (total - free) - activation
+        else:
+            budget = (self.config.kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * _GIB
+        return max(int(budget // per_block), 2)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a validated request; ValueError if it cannot be taken."""
+        self._num_requests_added += 1
+        if request.request_id in self._groups:
+            raise ParameterError(
+                "request_id", f"request_id {request.request_id!r} is already in use"
+            )
+        params = request.params
+        group = SequenceGroup(
+            request.request_id,
+            None,
+            request.prompt_token_ids,
+            params,
+            request.arrival_time,
+            self.device,
+        )
+        if isinstance(params, BeamSearchParams):
+            room = self.max_model_len - len(request.prompt_token_ids)
+            group.beam = BeamState.create(
+                params, self.eos_token_id, max(min(params.max_tokens, room), 1)
+            )
+        seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids, group.generators[0])
+        group.seqs.append(seq)
+        self._groups[request.request_id] = group
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str) -> EngineCoreOutput | None:
+        """Stops a request and frees its blocks now; its final output (finish_reason "abort";
+        a beam search reports its live beams), or None if unknown."""
+        group = self.scheduler.abort(request_id)
+        self._groups.pop(request_id, None)
+        return None if group is None else self._final_output(group, [])
+
+    def abort_sample(self, request_id: str, index: int) -> None:
+        """Stops one sample (the front end matched a stop string and finished it already)."""
+        group = self.scheduler.abort_sample(request_id, index)
+        if group is not None:
+            del self._groups[request_id]
+
+    def apply(self, inputs: EngineCoreInputs) -> list[EngineCoreOutput]:
+        """Applies what the front end sent, in order: adds, aborts, sample aborts. Returns
+        the final outputs this produced: aborted requests, and requests the core refused."""
+        outputs = []
+        for request in inputs.requests:
+            try:
+                self.add_request(request)
+            except Exception as exc:  # noqa: BLE001 -- refuses this request, not the loop
+                error = f"{type(exc).__name__}: {exc}"
+                outputs.append(EngineCoreOutput(request.request_id, finished=True, error=error))
+        for request_id in inputs.aborts:
+            final = self.abort_request(request_id)
+            if final is not None:
+                outputs.append(final)
+        for sample in inputs.sample_aborts:
+            self.abort_sample(sample.request_id, sample.index)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def run_busy_loop(
+        self,
+        receive: Callable[[bool], EngineCoreInputs | None],
+        send: Callable[[EngineCoreOutputs], None],
+    ) -> None:
+        """Serves a front end until it sends `shutdown`: applies everything received (waiting
+        in `receive(True)` only while idle: no busy loop), steps while requests are
+        unfinished, and sends one EngineCoreOutputs per iteration that changed anything.
+        Whatever a step raises propagates: the loop cannot go on after a failed step."""
+        while True:
+            outputs: list[EngineCoreOutput] = []
+            block = not self.has_unfinished_requests()
+            received = False
+            while (inputs := receive(block)) is not None:
+                if inputs.shutdown:
+                    return
+                outputs += self.apply(inputs)
+                received, block = True, False
+            if self.has_unfinished_requests():
+                outputs += self.step().outputs
+            elif not received:
+                continue
+            send(EngineCoreOutputs(outputs, self.stats()))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedules, runs and applies one step; the outputs of requests that progressed."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return EngineCoreOutputs([], self.stats())
+        sampled = self.runner.execute(scheduled)
+        groups = self.scheduler.update(scheduled, sampled)
+        new_tokens = _sampled_this_step(scheduled)
+        outputs = []
+        for group in groups:
+            seqs = new_tokens.get(id(group), [])
+            samples = [_delta(seq) for seq in seqs]
+            if group.is_finished:
+                del self._groups[group.request_id]
+                outputs.append(self._final_output(group, samples))
+            elif samples:
+                first = any(seq.num_output_tokens == 1 for seq in seqs)
+                scheduled_time = group.first_scheduled_time if first else None
+                outputs.append(
+                    EngineCoreOutput(group.request_id, samples, first_scheduled_time=scheduled_time)
+                )
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def _final_output(self, group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
+        """A finished request's last output: this step's samples, an "abort"/"error" end for
+        samples that never got one, and a beam search's hypotheses."""
+        ended = {s.index for s in samples}
+        for seq in group.seqs:
+            if seq.index not in ended and seq.status.finish_reason in ("abort", "error"):
+                samples.append(
+                    SampleDelta(
+                        seq.index, [], seq.cumulative_logprob, None, seq.status.finish_reason
+                    )
+                )
+        return EngineCoreOutput(
+            group.request_id,
+            samples=samples if group.beam is None else [],
+            finished=True,
+            error=group.error,
+            beams=_beam_results(group) if group.beam is not None else None,
+            first_scheduled_time=group.first_scheduled_time,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running_seqs=self.scheduler.num_running_seqs,
+            num_waiting_requests=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_usable_blocks=bm.num_usable_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
+            num_generation_tokens=self.scheduler.num_generation_tokens,
+            num_requests_added=self._num_requests_added,
+        )
+
+
+def _sampled_this_step(scheduled: SchedulerOutput) -> dict[int, list[Sequence]]:
+    """Per group (by id), the sampling sequences that received a token this step."""
+    sampled: dict[int, list[Sequence]] = {}
+    for item in scheduled.scheduled:
+        if item.group.beam is None and item.sample_seqs and item.group.error is None:
+            sampled.setdefault(id(item.group), []).extend(item.sample_seqs)
+    return sampled
+
+
+def _delta(seq: Sequence) -> SampleDelta:
+    return SampleDelta(
+        index=seq.index,
+        new_token_ids=[seq.token_ids[-1]],
+        cumulative_logprob=seq.cumulative_logprob,
+        new_logprobs=None if seq.last_logprobs is None else [seq.last_logprobs],
+        finish_reason=seq.status.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
+
+
+def _beam_results(group: SequenceGroup) -> list[BeamResult]:
+    """The best num_return_sequences hypotheses, best first. A search aborted before any
+    hypothesis finished reports its live beams, best first, with finish_reason "abort" (or
+    "error" for a search that failed)."""
+    params, beam = group.sampling_params, group.beam
+    assert isinstance(params, BeamSearchParams) and beam is not None
+    hypotheses = beam.hypotheses()
+    if not hypotheses:
+        reason = "abort" if group.error is None else "error"
+        hypotheses = [
+            Hypothesis(
+                seq.output_token_ids,
+                cumulative,
+                normalized_score(cumulative, max(seq.num_output_tokens, 1), params.length_penalty),
+                reason,
+            )
+            for seq, cumulative in zip(group.seqs, beam.running_scores.tolist(), strict=False)
+        ]
+    return [
+        BeamResult(h.token_ids, h.cumulative_logprob, h.score, h.finish_reason)
+        for h in hypotheses[: params.num_return_sequences]
+    ]

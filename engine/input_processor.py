@@ -1,0 +1,107 @@
+"""Tokenizes and validates requests on the front end, before anything reaches the core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
+from octavo.engine.errors import ParameterError
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A validated prompt: its text (None when given as token ids) and its token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+class InputProcessor:
+    """Pure checks against the model's limits: any thread or process may call it, and a
+    request it passes is one the core can take. Every refusal is a ParameterError (a
+    ValueError) naming the offending parameter."""
+
+    def __init__(self, tokenizer: Tokenizer | None, limits: ModelLimits):
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def process_inputs(
+        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> ProcessedPrompt:
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        return ProcessedPrompt(text, token_ids)
+
+    @staticmethod
+    def core_request(
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams | BeamSearchParams,
+        arrival_time: float,
+    ) -> EngineCoreRequest:
+        if isinstance(params, BeamSearchParams):
+            return EngineCoreRequest(request_id, prompt.token_ids, arrival_time, beam_params=params)
+        return EngineCoreRequest(request_id, prompt.token_ids, arrival_time, sampling_params=params)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParameterError(
+                    "prompt", "prompt: this model has no tokenizer.json; pass token ids"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ParameterError("prompt", "prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        limits = self.limits
+        if not prompt_ids:
+            raise ParameterError("prompt", "prompt must not be empty")
+        vocab = limits.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ParameterError(
+                "prompt", f"prompt token ids must be in [0, {vocab}), got {bad[:4]}"
+            )
+        if len(prompt_ids) > limits.max_model_len:
+            raise ParameterError(
+                "prompt",
+                f"prompt is {len(prompt_ids)} tokens, longer than "
+                f"max_model_len ({limits.max_model_len})",
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ParameterError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}"
+            )
+        if isinstance(params, BeamSearchParams):
+            stops = len(params.stop_token_ids) + (0 if params.ignore_eos else 1)
+            if max(2, 1 + stops) * params.beam_width > vocab:
+                raise ParameterError(
+                    "beam_width",
+                    f"beam_width={params.beam_width} ranks more "
+                    f"candidates per step than the vocabulary ({vocab}) has",
+                )
+        elif params.logprobs is not None and params.logprobs > vocab:
+            raise ParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
+        width = "beam_width" if isinstance(params, BeamSearchParams) else "n"
+        if params.n > limits.max_num_seqs:
+            raise ParameterError(
+                width,
+                f"{width}={params.n} exceeds max_num_seqs "
+                f"({limits.max_num_seqs}): its sequences run together",
+            )
+        # Each group must fit alone even after a preemption undoes its prompt sharing.
+        longest = min(len(prompt_ids) + params.max_tokens, limits.max_model_len)
+        blocks = params.n * -(-longest // limits.block_size)
+        if blocks > limits.num_usable_blocks:
+            raise ParameterError(
+                width,
+                f"{width}={params.n} sequences of up to {longest} tokens need "
+                f"{blocks} KV blocks; the cache has {limits.num_usable_blocks}",
+            )

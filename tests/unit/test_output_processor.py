@@ -1,0 +1,139 @@
+"""OutputProcessor: core token deltas in, text out -- exact stop-string cuts (split across
+tokens too), the holdback of possible stop-string prefixes, discarded tokens past a stop, and
+delta outputs that concatenate to the final output."""
+
+import pytest
+
+from octavo.engine.core_messages import EngineCoreOutput, SampleAbort, SampleDelta
+from octavo.engine.output_processor import OutputProcessor
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampling_params import RequestOutputKind, SamplingParams
+from octavo.engine.tokenizer import Tokenizer
+from tests.checkpoints import tokenizer_json
+
+TEXT = "Naïve café — ünïcode 日本語 and 🎉 emoji: déjà vu, «quotes» ∑ x² ≤ 10."
+DELTA, FINAL = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    import tokenizers
+
+    return Tokenizer(tokenizers.Tokenizer.from_str(tokenizer_json(512)))
+
+
+def run(tokenizer, text, kind=DELTA, stop_token_ids=(), **params):
+    """Feeds `text`'s tokens one core step at a time, finishing on a stop token as the core
+    would; returns the outputs, the sample aborts asked for and the processor."""
+    ids = tokenizer.encode(text)
+    processor = OutputProcessor(tokenizer)
+    sampling = SamplingParams(
+        max_tokens=len(ids), output_kind=kind, stop_token_ids=list(stop_token_ids), **params
+    )
+    processor.add_request("r", None, [1], sampling, 0.0)
+    outputs: list[RequestOutput] = []
+    aborts: list[SampleAbort] = []
+    for i, token in enumerate(ids):
+        finish, stop_reason = None, None
+        if token in stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif i == len(ids) - 1:
+            finish = "length"
+        delta = SampleDelta(0, [token], -float(i), None, finish, stop_reason)
+        result = processor.process([EngineCoreOutput("r", [delta], finished=finish is not None)])
+        outputs += result.request_outputs
+        aborts += result.sample_aborts
+        if finish is not None:
+            break
+    return outputs, aborts, processor
+
+
+def streamed_text(outputs: list[RequestOutput]) -> str:
+    return "".join(c.text for o in outputs for c in o.outputs)
+
+
+@pytest.mark.parametrize("stop", ["café", "ünï", "日本", " and 🎉", "x²", "u, «", "10."])
+def test_stop_strings_cut_exactly_streamed_and_not(tokenizer, stop):
+    expected = TEXT[: TEXT.index(stop)]
+    outputs, aborts, processor = run(tokenizer, TEXT, stop=[stop, "never appears"])
+    final = outputs[-1].outputs[0]
+    assert outputs[-1].finished and final.finish_reason == "stop" and final.stop_reason == stop
+    assert streamed_text(outputs) == expected
+    if not TEXT.endswith(stop):  # the core was still running that sample: stop it
+        assert aborts == [SampleAbort("r", 0)]
+    assert processor.num_unfinished_requests == 0
+    whole, _, _ = run(tokenizer, TEXT, FINAL, stop=[stop])
+    assert len(whole) == 1 and whole[0].outputs[0].text == expected
+    included, _, _ = run(tokenizer, TEXT, FINAL, stop=stop, include_stop_str_in_output=True)
+    assert included[0].outputs[0].text == TEXT[: TEXT.index(stop) + len(stop)]
+
+
+def test_the_earliest_of_several_matches_wins(tokenizer):
+    outputs, _, _ = run(tokenizer, "alpha beta gamma", FINAL, stop=["gamma", "beta", "alpha beta"])
+    assert outputs[0].outputs[0].stop_reason == "alpha beta" and outputs[0].outputs[0].text == ""
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    outputs, _, _ = run(tokenizer, "a b a b a b", FINAL, stop="a", min_tokens=3)
+    final = outputs[0].outputs[0]
+    assert len(final.token_ids) >= 3 and final.stop_reason == "a"
+    assert final.text.count("a") == 1
+
+
+def test_a_stop_tokens_text_is_dropped_unless_included(tokenizer):
+    ids = tokenizer.encode("one two three")
+    outputs, aborts, _ = run(tokenizer, "one two three", FINAL, stop_token_ids=[ids[1]])
+    final = outputs[0].outputs[0]
+    assert final.stop_reason == ids[1] and final.token_ids == ids[:2]
+    assert final.text == tokenizer.decode(ids[:1]) and aborts == []  # the core stopped it
+    outputs, _, _ = run(
+        tokenizer, "one two three", FINAL, stop_token_ids=[ids[1]], include_stop_str_in_output=True
+    )
+    assert outputs[0].outputs[0].text == tokenizer.decode(ids[:2])
+
+
+def test_holdback_never_streams_what_a_stop_string_may_still_cut(tokenizer):
+    text = "abc abd abc abd"
+    stop = "abd!"  # never completes: every "abd" is a prefix that must wait, then go out
+    outputs, _, _ = run(tokenizer, text, stop=[stop])
+    ids, sent = tokenizer.encode(text), ""
+    for i, output in enumerate(outputs[:-1]):
+        sent += output.outputs[0].text
+        # The last len(stop) - 1 characters could start the stop string: never sent early.
+        assert len(sent) <= max(len(tokenizer.decode(ids[: i + 1])) - (len(stop) - 1), 0)
+    assert streamed_text(outputs) == text and outputs[-1].outputs[0].finish_reason == "length"
+    # Every step that produced a token is an output, even when its text is held back.
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * len(tokenizer.encode(text))
+
+
+def test_tokens_the_core_computed_past_a_stop_string_are_discarded(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    x, space, y = tokenizer.encode("x y")
+    processor.add_request(
+        "r", None, [1], SamplingParams(n=2, stop="y", max_tokens=8, output_kind=DELTA), 0.0
+    )
+
+    def step(deltas):
+        return processor.process([EngineCoreOutput("r", deltas)])
+
+    first = step([SampleDelta(0, [x], -1.0), SampleDelta(1, [x], -1.0)]).request_outputs
+    result = step([SampleDelta(0, [y], -2.0), SampleDelta(1, [space], -2.0)])
+    assert result.sample_aborts == [SampleAbort("r", 0)]  # sample 0 hit "y"; 1 goes on
+    late = step([SampleDelta(0, [x], -3.0), SampleDelta(1, [x], -3.0)])
+    (output,) = late.request_outputs
+    assert [c.index for c in output.outputs] == [1] and not output.finished
+    final = step([SampleDelta(1, [y], -4.0)]).request_outputs[0]  # 1 hits "y" too
+    assert final.finished and processor.num_unfinished_requests == 0
+    merged = first[0]
+    for output in (*result.request_outputs, *late.request_outputs, final):
+        merged.add(output)
+    assert [c.token_ids for c in merged.outputs] == [[x, y], [x, space, x, y]]
+
+
+def test_merged_deltas_concatenate_to_the_final_output(tokenizer):
+    outputs, _, _ = run(tokenizer, TEXT, DELTA, stop=["«"], logprobs=0)
+    merged = outputs[0]
+    for later in outputs[1:]:
+        merged.add(later)
+    whole, _, _ = run(tokenizer, TEXT, FINAL, stop=["«"], logprobs=0)
+    assert merged.outputs == whole[0].outputs and merged.finished
