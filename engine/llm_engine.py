@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import time
 
+from octavo.engine.block_manager import BlockManager
 from octavo.engine.config import EngineConfig
 from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutput, EngineStats
 from octavo.engine.engine_core import EngineCore
 from octavo.engine.errors import ParameterError
 from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
+from octavo.engine.model_runner import ModelRunner
+from octavo.engine.models.gpt2 import GPT2Config
 from octavo.engine.models.weights import load_tokenizer
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.outputs import RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.scheduler import Scheduler
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedPrompt"]
 
@@ -35,16 +39,20 @@ class LLMEngine:
 
     # The core's parts, for tests and tools that inspect them.
     @property
-    def block_manager(self):
+    def block_manager(self) -> BlockManager:
         return self.core.block_manager
 
     @property
-    def scheduler(self):
+    def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
     @property
-    def runner(self):
+    def runner(self) -> ModelRunner:
         return self.core.runner
+
+    @property
+    def model_config(self) -> GPT2Config:
+        return self.core.model_config
 
     @property
     def max_model_len(self) -> int:

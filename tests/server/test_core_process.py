@@ -1,0 +1,70 @@
+"""`octavo serve` runs the engine core in its own process: killing it (-9) under load ends
+every in-flight stream with an error event and the server exits non-zero within seconds."""
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, live_server
+
+NUM_STREAMS = 4
+EXIT_TIMEOUT_S = 15
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core: the server's child that multiprocessing spawned (not its resource
+    tracker)."""
+    children = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        if "spawn_main" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine core among the children {children}")
+
+
+def test_killing_the_core_ends_every_stream_with_an_error_and_the_server_exits_1(
+    tiny_model_dir, tmp_path
+):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Hello",
+        "max_tokens": 250,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with live_server(tiny_model_dir, tmp_path) as server:
+        streams: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
+        started = threading.Barrier(NUM_STREAMS + 1)
+
+        def consume(events: list[str]) -> None:
+            with httpx.stream(
+                "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
+            ) as response:
+                for line in response.iter_lines():
+                    if line:
+                        if not events:
+                            started.wait(30)
+                        events.append(line)
+
+        readers = [threading.Thread(target=consume, args=(s,)) for s in streams]
+        for reader in readers:
+            reader.start()
+        started.wait(30)  # every stream has received tokens
+        os.kill(core_pid(server.process.pid), signal.SIGKILL)
+        for reader in readers:
+            reader.join(EXIT_TIMEOUT_S)
+            assert not reader.is_alive()
+        assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 1
+    log = Path(server.log_path).read_text()
+    assert "engine core process exited with status -9" in log
+    for events in streams:
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 or "died" in error["message"], error
