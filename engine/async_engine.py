@@ -41,6 +41,40 @@ class RequestFailedError(RuntimeError):
     """Processing this request raised inside the engine; the engine serves the others on."""
 
 
+class _OutputStream:
+    """One request's outputs on their way to its consumer (vLLM's RequestOutputCollector).
+
+    At most one item waits: a DELTA output that arrives before the consumer took the previous
+    one is merged into it (a slow reader gets one output for several steps, and merging
+    costs only the new tokens); a cumulative or final output replaces it; an error replaces
+    anything.
+    """
+
+    def __init__(self, kind: RequestOutputKind | None):
+        self._merge = kind is RequestOutputKind.DELTA
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        pending = self._item
+        if isinstance(pending, BaseException):
+            return  # the stream ends with its error, whatever comes after it
+        if self._merge and isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            pending.add(item)
+        else:
+            self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
 class AsyncEngine:
     """Requests in, async streams of RequestOutputs out, with the core stepping elsewhere.
 
@@ -50,7 +84,7 @@ class AsyncEngine:
     (requests, aborts, stop-string sample aborts) travels as one message, applied before the
     core's next step, so an abort frees its blocks within one step; each step's outputs come
     back as one message. A stream's consumer that falls behind gets its pending deltas merged
-    into one output.
+    into one output (`_OutputStream`).
     """
 
     def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer | None, max_num_waiting: int):
@@ -60,7 +94,7 @@ class AsyncEngine:
         self.max_num_waiting = max_num_waiting
         self.input_processor = InputProcessor(tokenizer, client.limits)
         self.output_processor = OutputProcessor(tokenizer)
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, _OutputStream] = {}
         self._stats = client.initial_stats
         self._num_requests_sent = client.initial_stats.num_requests_added
         self._pending = EngineCoreInputs()
@@ -173,7 +207,8 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_waiting >= self.max_num_waiting:
             raise QueueFullError(f"{self.max_num_waiting} requests are already waiting")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        kind = params.output_kind if isinstance(params, SamplingParams) else None
+        stream = _OutputStream(kind)
         self._streams[request_id] = stream
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time
@@ -182,31 +217,17 @@ class AsyncEngine:
         self._pending.requests.append(request)
         self._num_requests_sent += 1
         self._schedule_flush()
-        kind = params.output_kind if isinstance(params, SamplingParams) else None
-        return self._iterate(request_id, stream, kind)
+        return self._iterate(request_id, stream)
 
     async def _iterate(
-        self,
-        request_id: str,
-        stream: asyncio.Queue[RequestOutput | BaseException],
-        kind: RequestOutputKind | None,
+        self, request_id: str, stream: _OutputStream
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
-                item = await stream.get()
-                while not isinstance(item, BaseException) and not stream.empty():
-                    later = stream.get_nowait()  # the consumer fell behind: one output for all
-                    if isinstance(later, BaseException):
-                        item = later
-                    elif kind is RequestOutputKind.DELTA:
-                        item.add(later)
-                    else:
-                        item = later
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                output = await stream.get()
+                finished = output.finished
+                yield output
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -248,9 +269,9 @@ class AsyncEngine:
             if stream is None:
                 continue
             if output.error is not None:
-                stream.put_nowait(RequestFailedError(output.error))
+                stream.put(RequestFailedError(output.error))
             else:
-                stream.put_nowait(output)
+                stream.put(output)
         if processed.sample_aborts or processed.aborts:
             self._pending.sample_aborts.extend(processed.sample_aborts)
             self._pending.aborts.extend(processed.aborts)
@@ -259,7 +280,7 @@ class AsyncEngine:
     def _on_death(self, exc: BaseException) -> None:
         self._dead = exc
         for request_id, stream in self._streams.items():
-            stream.put_nowait(EngineStoppedError(f"the engine core died: {exc}"))
+            stream.put(EngineStoppedError(f"the engine core died: {exc}"))
             self.output_processor.forget(request_id)
         if self._fatal_handler is not None:
             self._fatal_handler(exc)

@@ -126,7 +126,14 @@ class MultiprocessCoreClient(EngineCoreClient):
     `on_death` runs at once, not at the next timeout.
     """
 
-    def __init__(self, config: EngineConfig, num_threads: int | None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_threads: int | None,
+        target: Callable[[EngineConfig, str, str, int | None, int], None] = run_engine_core,
+    ):
+        """`target` is the process's entry point, `run_engine_core` unless a benchmark swaps
+        in a stand-in core that speaks the same messages."""
         self._dir = Path(tempfile.mkdtemp(prefix="octavo-core-"))
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
@@ -141,7 +148,7 @@ class MultiprocessCoreClient(EngineCoreClient):
         )
         # spawn, not fork: this process already runs threads (torch's, uvicorn's).
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
+            target=target,
             args=(
                 config,
                 f"ipc://{self._dir / 'input'}",

@@ -31,11 +31,12 @@ class CompletionOutput:
         return self.finish_reason is not None
 
     def add(self, later: CompletionOutput) -> None:
-        """Appends a later delta of the same sample to this one."""
+        """Appends a later delta of the same sample to this one (in place: a delta's lists
+        are its own)."""
         self.text += later.text
-        self.token_ids = self.token_ids + later.token_ids
+        self.token_ids.extend(later.token_ids)
         if self.logprobs is not None and later.logprobs is not None:
-            self.logprobs = self.logprobs + later.logprobs
+            self.logprobs.extend(later.logprobs)
         self.cumulative_logprob = later.cumulative_logprob
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason

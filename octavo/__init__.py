@@ -9,6 +9,39 @@ package holds them as octavo.engine, octavo.kernels, octavo.server and octavo.be
 top-level import an install adds.
 """
 
-# The public API is the engine's (octavo.engine.__all__: LLM, SamplingParams, ...).
-from octavo.engine import *  # noqa: F403
-from octavo.engine import __all__ as __all__
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads them
+    from octavo.engine import (
+        LLM,
+        BeamSearchParams,
+        CompletionOutput,
+        EngineConfig,
+        LLMEngine,
+        RequestOutput,
+        RequestOutputKind,
+        SamplingParams,
+    )
+
+# The public API is the engine's (octavo.engine.__all__: LLM, SamplingParams, ...), loaded
+# on first use: `import octavo.benchmarks.sse_client` in a spawned client process must not
+# pay for torch.
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("octavo.engine"), name)
+    raise AttributeError(f"module 'octavo' has no attribute {name!r}")

@@ -42,3 +42,11 @@ def test_llm_takes_every_field_by_keyword(tiny_model_dir):
     assert (config.num_blocks, config.max_num_seqs, config.block_size) == (64, 3, 8)
     with pytest.raises(TypeError, match="max_num_sequences"):
         LLM(tiny_model_dir, max_num_sequences=3)
+
+
+def test_the_octavo_package_lazily_re_exports_exactly_the_engine_api():
+    import octavo
+    import octavo.engine
+
+    assert sorted(octavo.__all__) == sorted(octavo.engine.__all__)
+    assert all(getattr(octavo, name) is getattr(octavo.engine, name) for name in octavo.__all__)

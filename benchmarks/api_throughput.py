@@ -1,0 +1,250 @@
+"""The API process alone: how many streamed tokens/s it delivers, and its CPU per token, when
+the engine core costs nothing.
+
+A stand-in core (`run_fake_core`, same process entry point and messages as the real one)
+answers every request with one token per "step" for each running request, --output-len
+tokens each, as fast as it can. The API process is the real one (`create_app` over an
+`AsyncEngine` with the multiprocess client, the default model's tokenizer detokenizing every
+token) pinned to CPU 0; the stand-in core and the clients (raw-socket streams, in separate
+processes, see serving_throughput.py) are pinned to the other CPUs, so the figure is what
+one core of API process does. When the clients read slower than tokens arrive, pending
+deltas merge into one event: tokens per event is reported.
+
+    .venv/bin/python benchmarks/api_throughput.py --concurrency 64 256
+
+Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+try:
+    import octavo.engine  # noqa: F401
+except ImportError:  # run as a plain script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import msgspec
+import zmq
+
+from octavo.benchmarks import serving_throughput
+from octavo.benchmarks.sse_client import free_port, run_clients
+from octavo.engine.config import EngineConfig
+from octavo.engine.core_messages import (
+    EngineCoreInputs,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineStats,
+    ModelLimits,
+    SampleDelta,
+)
+
+API_CPU = 0
+STARTUP_TIMEOUT_S = 60
+EXIT_TIMEOUT_S = 30
+# The stand-in core's KV cache, as far as the front end's validation is concerned.
+FAKE_NUM_BLOCKS = 1 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--client-procs", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-file", type=Path, default=None)
+    parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# -- the stand-in core (a process of its own, spawned by MultiprocessCoreClient) ------------------
+
+
+def run_fake_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    num_threads: int | None,
+    parent_pid: int,
+) -> None:
+    """Every step gives each running request its next token (ids cycling through the
+    vocabulary) until its max_tokens; aborts are honoured. No model, no cache."""
+    os.sched_setaffinity(0, _other_cpus())
+    model_config = json.loads((Path(config.model) / "config.json").read_text())
+    vocab = model_config["vocab_size"]
+    limits = ModelLimits(
+        vocab, model_config["n_positions"], None, config.max_num_seqs, 16, FAKE_NUM_BLOCKS
+    )
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInputs)
+    running: dict[str, tuple[EngineCoreRequest, int]] = {}
+    added = 0
+
+    def stats() -> EngineStats:
+        return EngineStats(len(running), 0, FAKE_NUM_BLOCKS, FAKE_NUM_BLOCKS, 0.0, 0, 0, 0, added)
+
+    outputs.send(encoder.encode(EngineCoreReady(limits, stats())))
+    while True:
+        while inputs.poll(0 if running else 1000):
+            message = decoder.decode(inputs.recv())
+            if message.shutdown:
+                outputs.close(linger=1000)
+                return
+            for request in message.requests:
+                running[request.request_id] = (request, 0)
+                added += 1
+            for request_id in message.aborts:
+                running.pop(request_id, None)
+        if not running:
+            if os.getppid() != parent_pid:
+                return
+            continue
+        step: list[EngineCoreOutput] = []
+        for request_id, (request, done) in list(running.items()):
+            params = request.params
+            done += 1
+            finished = done >= params.max_tokens
+            token = (done * 7 + len(request_id)) % (vocab - 1)
+            delta = SampleDelta(0, [token], -float(done), None, "length" if finished else None)
+            step.append(EngineCoreOutput(request_id, [delta], finished))
+            if finished:
+                del running[request_id]
+            else:
+                running[request_id] = (request, done)
+        outputs.send(encoder.encode(EngineCoreOutputs(step, stats())))
+
+
+def _other_cpus() -> set[int]:
+    cpus = os.sched_getaffinity(0) - {API_CPU}
+    return cpus or {API_CPU}
+
+
+# -- the API process -------------------------------------------------------------------------------
+
+
+def serve(port: int, model: Path, max_num_seqs: int) -> None:
+    """The real API process over the stand-in core, pinned to API_CPU."""
+    import torch
+    import uvicorn
+
+    from octavo.engine.async_engine import AsyncEngine
+    from octavo.engine.core_client import MultiprocessCoreClient
+    from octavo.engine.models.weights import load_tokenizer
+    from octavo.server.app import create_app
+    from octavo.server.serving_completion import ServerConfig
+
+    torch.set_num_threads(1)
+    config = EngineConfig(
+        model=str(model), load_format="dummy", device="cpu", max_num_seqs=max_num_seqs
+    )
+    client = MultiprocessCoreClient(config, None, target=run_fake_core)
+    os.sched_setaffinity(0, {API_CPU})  # after the spawn: the core chose its own CPUs
+    engine = AsyncEngine(client, load_tokenizer(str(model), "auto"), max_num_waiting=4096)
+    app = create_app(engine, ServerConfig(served_model_name=serving_throughput.MODEL_NAME))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", limit_concurrency=8192)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int) -> dict:
+    port = free_port()
+    cmd = [sys.executable, __file__, "--serve", str(port), "--model", str(model)]
+    server = subprocess.Popen(cmd + ["--concurrency", str(concurrency)])
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the API process exited with {server.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the API process did not start") from None
+                time.sleep(0.2)
+        run = argparse.Namespace(**{**vars(args), "num_requests": concurrency})
+        bodies = serving_throughput.bodies(serving_throughput.make_prompts(run, vocab), run)
+        run_clients(port, bodies[:2], 1, _other_cpus())  # warm-up
+        cpu_before = process_cpu_seconds(server.pid)
+        result = run_clients(port, bodies, args.client_procs, _other_cpus())
+        api_cpu = process_cpu_seconds(server.pid) - cpu_before
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    # The client processes start before their first request (see run_clients); the API
+    # process idles then, so all its CPU is the streams'.
+    tokens = result["completion_tokens"]
+    return {
+        "concurrency": concurrency,
+        **result,
+        "api_cpu_s": api_cpu,
+        "api_cpu_us_per_token": api_cpu / tokens * 1e6 if tokens else None,
+        "tokens_per_event": tokens / max(result["events"], 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve is not None:
+        serve(args.serve, args.model, max(args.concurrency))
+        return 0
+    if len(os.sched_getaffinity(0)) < 2:
+        print("needs at least 2 CPUs: one for the API process, one for the rest")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        shape = argparse.Namespace(
+            layers=1, hidden=16, heads=1, prompt_len=args.prompt_len, output_len=args.output_len
+        )
+        vocab = serving_throughput.write_model(model, shape)
+        runs = [measure(model, c, args, vocab) for c in args.concurrency]
+    for run in runs:
+        print(
+            f"{run['concurrency']:>4} streams: {run['tokens_per_s']:>9,.0f} tok/s, "
+            f"API CPU {run['api_cpu_us_per_token']:.1f} us/token, "
+            f"{run['tokens_per_event']:.1f} tokens/event, failed {run['failed']}, "
+            f"client CPU {run['client_cpu_share_of_a_core']:.0%} of a core"
+        )
+    result = {
+        "benchmark": "api_throughput",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "commit": serving_throughput.git_commit(Path(__file__).resolve().parents[1]),
+        "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len},
+        "runs": runs,
+    }
+    if args.result_file is not None:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A load client light enough not to be the bottleneck: raw sockets, no JSON but the usage.
+
+Streams prebuilt completion requests all at once from separate processes (stdlib only, so a
+spawned client starts in milliseconds), reads each response to the end, counts its SSE
+events, and parses only the final usage event for the token count. Each process reports its
+CPU time, so a caller can tell whether the clients could have limited the figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import time
+
+# Client processes start this long before their first request, so that all are ready.
+START_DELAY_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int]:
+    """One streamed completion: (completion tokens from the usage event, whether the stream
+    ended with [DONE] and no error, the number of events)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    data = await reader.read()  # until the server closes: the whole chunked SSE body
+    writer.close()
+    done = b"data: [DONE]" in data and b'"error"' not in data
+    events = data.count(b"data: ")
+    usage_at = data.rfind(b'"usage":{')
+    if usage_at < 0:
+        return 0, False, events
+    usage = json.JSONDecoder().raw_decode(data[usage_at + 8 :].decode())[0]
+    return usage["completion_tokens"], done, events
+
+
+def _client_process(
+    port: int, bodies: list[bytes], start_at: float, results, cpus: set[int] | None
+) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+    async def main():
+        while time.time() < start_at:
+            await asyncio.sleep(0.001)
+        began = time.time()
+        return began, await asyncio.gather(*(_stream_one(port, b) for b in bodies))
+
+    cpu = time.process_time()
+    began, outcomes = asyncio.run(main())
+    results.put((outcomes, time.process_time() - cpu, began, time.time()))
+
+
+def run_clients(
+    port: int, bodies: list[bytes], num_procs: int = 1, cpus: set[int] | None = None
+) -> dict:
+    """Sends every body at once from `num_procs` processes (pinned to `cpus` if given).
+    Wall time runs from the first request sent to the last response read."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    start_at = time.time() + START_DELAY_S
+    shares = [bodies[i::num_procs] for i in range(num_procs)]
+    procs = [
+        context.Process(target=_client_process, args=(port, share, start_at, results, cpus))
+        for share in shares
+    ]
+    for proc in procs:
+        proc.start()
+    gathered = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    wall = max(g[3] for g in gathered) - min(g[2] for g in gathered)
+    outcomes = [o for g in gathered for o in g[0]]
+    tokens = sum(t for t, _, _ in outcomes)
+    client_cpu = sum(g[1] for g in gathered)
+    return {
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "events": sum(e for _, _, e in outcomes),
+        "failed": sum(not ok for _, ok, _ in outcomes),
+        "tokens_per_s": tokens / wall,
+        "client_cpu_s": client_cpu,
+        "client_cpu_share_of_a_core": client_cpu / wall,
+    }
