@@ -38,7 +38,7 @@ async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int]:
     await writer.drain()
     data = await reader.read()  # until the server closes: the whole chunked SSE body
     writer.close()
-    done = b"data: [DONE]" in data and b'"error"' not in data
+    done = b"data: [DONE]" in data and b'data: {"error"' not in data
     events = data.count(b"data: ")
     usage_at = data.rfind(b'"usage":{')
     if usage_at < 0:

@@ -126,6 +126,7 @@ class AsyncEngine:
         """Connects the core's outputs to this event loop; call from the loop."""
         self._loop = asyncio.get_running_loop()
         self.client.start(self._loop, self._on_outputs, self._on_death)
+        self._schedule_flush()  # requests added before the loop ran
 
     async def shutdown(self, grace_seconds: float) -> None:
         """Stops admitting, lets in-flight requests finish for `grace_seconds`, aborts the rest

@@ -265,7 +265,7 @@ class Scheduler:
         """Appends the sampled tokens, applies stop rules, advances beam searches, frees
         finished sequences; returns the groups that progressed this step, finished included.
 
-        Whatever raises while one group is updated (detokenizing, stop checks, beam
+        Whatever raises while one group is updated (sampling bookkeeping, stop checks, beam
         arithmetic) fails that group alone (`fail`); the others are updated as usual."""
         now = time.monotonic()
         sampled = result.sampled

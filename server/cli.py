@@ -19,6 +19,7 @@ import uvicorn
 
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.config import EngineConfig
+from octavo.engine.models.weights import load_model_config
 from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
 
 # The tiny GPT-2 trained on Python's reference text (tools/train_default_model.py).
@@ -27,6 +28,10 @@ DEFAULT_MODEL_NAME = "octavo-tiny"
 API_KEY_ENV = "OCTAVO_API_KEY"
 # --max-n's default: a request may take at most this fraction (1 / N) of the sequence slots.
 DEFAULT_MAX_N_SHARE = 4
+# From this cost per token the engine core takes every CPU core (default_model_threads): the
+# 6x512 GPT-2 of the serving benchmark costs 42 MFLOP per token, its 1x16 twin 0.14, the
+# embedded default model 2.6.
+MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES = 10_000_000
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +99,9 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine_config = engine_config_from_args(args)
-    # The HTTP side (JSON, SSE framing and detokenization for every token) needs a core of
-    # its own: with every core in torch's pool the two contend (benchmarks/README.md).
     model_threads = None
     if engine_config.torch_device.type == "cpu":
-        model_threads = args.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+        model_threads = args.torch_threads or default_model_threads(engine_config)
     if args.inprocess_engine:
         if model_threads is not None:
             torch.set_num_threads(model_threads)
@@ -138,6 +141,21 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
         return 1
     return 0
+
+
+def default_model_threads(config: EngineConfig) -> int:
+    """The engine core's torch threads on CPU: every core for a model whose tokens cost far
+    more than the API process's ~30 us of CPU per streamed token; all cores but one for a
+    small one, whose token rate would keep a core of API work busy (and whose many short ops
+    leave OpenMP threads spinning against it). Measured on 2 cores with
+    benchmarks/serving_throughput.py (benchmarks/README.md): a 6x512 GPT-2 keeps 67% of
+    offline throughput with 1 thread and 97-115% with 2; a 1x16 one 94% with 1 and 46% with 2.
+    """
+    cores = os.cpu_count() or 1
+    model = load_model_config(config.model, config.load_format)
+    if model.flops_per_token >= MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES:
+        return cores
+    return max(1, cores - 1)
 
 
 def _allowed_hosts(flag: str | None, bind_host: str) -> tuple[str, ...] | None:
@@ -240,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch-threads",
         type=int,
         default=None,
-        help="CPU threads for the model (default: all cores but one)",
+        help="CPU threads for the model in the engine core (default: every core for a "
+        "model of >= 10 MFLOP per token, else all cores but one)",
     )
     serve.add_argument(
         "--inprocess-engine",

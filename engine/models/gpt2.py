@@ -31,6 +31,13 @@ class GPT2Config:
     eos_token_id: int | None = 50256
 
     @property
+    def flops_per_token(self) -> int:
+        """Multiply-adds x 2 of one decode token's matrix products (attention over the
+        context excluded): 12 n_embd^2 per layer (QKV, out, 4x MLP) plus the LM head."""
+        per_layer = 4 * self.n_embd * self.n_embd + 2 * self.n_embd * self.inner_dim
+        return 2 * (self.n_layer * per_layer + self.vocab_size * self.n_embd)
+
+    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 

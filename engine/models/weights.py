@@ -69,14 +69,7 @@ def load_model(
     dtype: torch.dtype,
     seed: int,
 ) -> LoadedModel:
-    if load_format == "dummy" and model in DUMMY_PRESETS:
-        path, config = None, DUMMY_PRESETS[model]
-    else:
-        path = resolve_model_path(model)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"model folder {path} has no config.json")
-        config = GPT2Config.from_hf_dict(json.loads(config_file.read_text()))
+    path, config = _model_config(model, load_format)
     eos = _eos_token_id(path, config)
     config = replace(config, eos_token_id=eos)
 
@@ -94,6 +87,22 @@ def load_model(
     if device.type == "cuda":
         net.pad_lm_head(CUDA_LM_HEAD_ROW_MULTIPLE)
     return LoadedModel(net, config, eos)
+
+
+def _model_config(model: str, load_format: str) -> tuple[Path | None, GPT2Config]:
+    """The model's folder (None for a dummy preset) and its configuration."""
+    if load_format == "dummy" and model in DUMMY_PRESETS:
+        return None, DUMMY_PRESETS[model]
+    path = resolve_model_path(model)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model folder {path} has no config.json")
+    return path, GPT2Config.from_hf_dict(json.loads(config_file.read_text()))
+
+
+def load_model_config(model: str, load_format: str) -> GPT2Config:
+    """The configuration alone, without loading weights."""
+    return _model_config(model, load_format)[1]
 
 
 def load_tokenizer(model: str, load_format: str) -> Tokenizer | None:

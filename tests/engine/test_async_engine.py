@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from octavo.engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from octavo.engine import (
+    BeamSearchParams,
+    EngineConfig,
+    LLMEngine,
+    RequestOutputKind,
+    SamplingParams,
+)
 from octavo.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 
 MODES = ["in_process", "multiprocess"]
@@ -153,6 +159,28 @@ def test_delta_streams_concatenate_to_the_final_output_for_every_request_kind(ti
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
             if want.logprobs is not None:
                 assert [list(d) for d in got.logprobs] == [list(d) for d in want.logprobs]
+
+
+def test_beam_search_streams_only_its_final_output(tiny_model_dir):
+    params = BeamSearchParams(beam_width=3, max_tokens=6, num_return_sequences=2)
+
+    async def main():
+        engine = make(tiny_model_dir, max_num_seqs=8)
+        engine.start()
+        prompt = engine.process_inputs([5, 6, 7], params)
+        outputs = await drain(engine.add_request("beam", prompt, params, time.monotonic()))
+        await engine.shutdown(grace_seconds=1)
+        return outputs
+
+    outputs = asyncio.run(main())
+    sync = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=128, block_size=8))
+    sync.add_request("beam", [5, 6, 7], params)
+    while sync.has_unfinished_requests():
+        final = sync.step()
+    (output,) = outputs
+    assert output.finished and [c.token_ids for c in output.outputs] == [
+        c.token_ids for c in final[0].outputs
+    ]
 
 
 def test_a_killed_core_process_fails_every_stream_and_calls_the_fatal_handler(tiny_model_dir):

@@ -1,0 +1,40 @@
+"""The serving benchmarks run end to end on a tiny workload: every request completes, every
+token is counted and the JSON carries what the README's tables read. Speeds never are
+checked."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--layers", "1", "--hidden", "16", "--heads", "1"]
+
+
+def run(script: str, result_file: Path, *args: str) -> dict:
+    command = [sys.executable, f"benchmarks/{script}", *args, "--result-file", str(result_file)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(result_file.read_text())
+
+
+def test_serving_throughput_serves_every_token_offline_and_in_both_modes(tmp_path):
+    result = run(
+        "serving_throughput.py", tmp_path / "s.json", *TINY,
+        "--num-requests", "6", "--prompt-len", "8", "--output-len", "5", "--repeats", "1",
+    )  # fmt: skip
+    assert result["offline"]["completion_tokens"] == 30
+    assert set(result["served"]) == {"multiprocess", "inprocess"}
+    for served in result["served"].values():
+        assert served["failed"] == 0 and served["completion_tokens"] == 30
+        assert served["events"] >= 6 and served["kept_of_offline"] > 0
+
+
+def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):
+    result = run(
+        "api_throughput.py", tmp_path / "a.json",
+        "--concurrency", "3", "--prompt-len", "4", "--output-len", "20",
+    )  # fmt: skip
+    (only,) = result["runs"]
+    assert only["failed"] == 0 and only["completion_tokens"] == 60
+    assert only["api_cpu_us_per_token"] > 0 and only["tokens_per_event"] >= 1
