@@ -22,12 +22,8 @@ import datetime as dt
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 try:
@@ -36,10 +32,9 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec
-import zmq
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.sse_client import free_port, run_clients
+from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine.config import EngineConfig
 from octavo.engine.core_messages import (
     EngineCoreInputs,
@@ -51,10 +46,9 @@ from octavo.engine.core_messages import (
     ModelLimits,
     SampleDelta,
 )
+from octavo.engine.core_process import connect_core_sockets
 
 API_CPU = 0
-STARTUP_TIMEOUT_S = 60
-EXIT_TIMEOUT_S = 30
 # The stand-in core's KV cache, as far as the front end's validation is concerned.
 FAKE_NUM_BLOCKS = 1 << 20
 
@@ -90,12 +84,7 @@ def run_fake_core(
     limits = ModelLimits(
         vocab, model_config["n_positions"], None, config.max_num_seqs, 16, FAKE_NUM_BLOCKS
     )
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.connect(output_address)
+    _, inputs, outputs = connect_core_sockets(input_address, output_address)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInputs)
     running: dict[str, tuple[EngineCoreRequest, int]] = {}
     added = 0
@@ -173,31 +162,13 @@ def process_cpu_seconds(pid: int) -> float:
 def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int) -> dict:
     port = free_port()
     cmd = [sys.executable, __file__, "--serve", str(port), "--model", str(model)]
-    server = subprocess.Popen(cmd + ["--concurrency", str(concurrency)])
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the API process exited with {server.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the API process did not start") from None
-                time.sleep(0.2)
+    with running_server(cmd + ["--concurrency", str(concurrency)], port) as server:
         run = argparse.Namespace(**{**vars(args), "num_requests": concurrency})
         bodies = serving_throughput.bodies(serving_throughput.make_prompts(run, vocab), run)
         run_clients(port, bodies[:2], 1, _other_cpus())  # warm-up
         cpu_before = process_cpu_seconds(server.pid)
         result = run_clients(port, bodies, args.client_procs, _other_cpus())
         api_cpu = process_cpu_seconds(server.pid) - cpu_before
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.kill()
     # The client processes start before their first request (see run_clients); the API
     # process idles then, so all its CPU is the streams'.
     tokens = result["completion_tokens"]

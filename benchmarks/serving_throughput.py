@@ -37,12 +37,10 @@ import os
 import platform
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 try:
@@ -50,14 +48,12 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.sse_client import free_port, run_clients
+from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.server.cli import DEFAULT_MODEL
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_NAME = "bench"
-STARTUP_TIMEOUT_S = 120
-EXIT_TIMEOUT_S = 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,32 +172,14 @@ def run_served(
     cmd += ["--max-num-waiting", str(max(1024, len(prompts))), *extra, *args.server_args]
     env = dict(os.environ, PYTHONPATH=str(root))
     env.update(item.split("=", 1) for item in args.server_env)
-    server = subprocess.Popen(cmd, cwd=root, env=env)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(0.2)
+    with running_server(cmd, port, cwd=root, env=env):
         requests = bodies(prompts, args)
         run_clients(port, requests)  # warm-up: the whole workload once, untimed
         result = median_run(
             [run_clients(port, requests, args.client_procs) for _ in range(args.repeats)]
         )
-        result["command"] = " ".join(cmd[1:])
-        return result
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    result["command"] = " ".join(cmd[1:])
+    return result
 
 
 def git_commit(root: Path) -> str | None:

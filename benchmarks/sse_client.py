@@ -12,17 +12,50 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # Client processes start this long before their first request, so that all are ready.
 START_DELAY_S = 1.0
+SERVER_STARTUP_TIMEOUT_S = 120
+SERVER_EXIT_TIMEOUT_S = 30
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(cmd: list[str], port: int, **popen: object) -> Iterator[subprocess.Popen]:
+    """Starts a server process, yields it once /health answers on `port`, and stops it
+    (SIGTERM, then kill) however the block ends."""
+    server = subprocess.Popen(cmd, **popen)  # type: ignore[call-overload]
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start") from None
+                time.sleep(0.2)
+        yield server
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(SERVER_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int]:

@@ -51,12 +51,7 @@ def run_engine_core(
     )
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow front end
-    outputs.connect(output_address)
+    context, inputs, outputs = connect_core_sockets(input_address, output_address)
     encoder = msgspec.msgpack.Encoder()
 
     def send(message: CoreMessage) -> None:
@@ -80,6 +75,19 @@ def run_engine_core(
     inputs.close(linger=0)
     context.term()
     sys.exit(status)
+
+
+def connect_core_sockets(
+    input_address: str, output_address: str
+) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A core's side of the two sockets the front end bound: (context, inputs, outputs)."""
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow front end
+    outputs.connect(output_address)
+    return context, inputs, outputs
 
 
 def _receiver(socket: zmq.Socket, parent_pid: int):
