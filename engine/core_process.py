@@ -26,6 +26,7 @@ from octavo.engine.core_messages import (
     EngineCoreReady,
 )
 from octavo.engine.engine_core import EngineCore
+from octavo.engine.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def run_engine_core(
         send(EngineCoreFailed(f"{exc}", startup=True))
         status = 1
     else:
+        freeze_startup_heap()
         send(EngineCoreReady(core.limits, core.stats()))
         try:
             core.run_busy_loop(_receiver(inputs, parent_pid), send)

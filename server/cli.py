@@ -19,6 +19,7 @@ import uvicorn
 
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.config import EngineConfig
+from octavo.engine.heap import freeze_startup_heap
 from octavo.engine.models.weights import load_model_config
 from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
 
@@ -136,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
     # so that second delivery must end the process with status 0, not kill it.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    freeze_startup_heap()
     server.run()
     if server.engine_failed:
         logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
