@@ -138,7 +138,7 @@ def serve(port: int, model: Path, max_num_seqs: int) -> None:
 
     from octavo.engine.async_engine import AsyncEngine
     from octavo.engine.core_client import MultiprocessCoreClient
-    from octavo.engine.models.weights import load_tokenizer
+    from octavo.engine.worker.models.weights import load_tokenizer
     from octavo.server.app import create_app
     from octavo.server.serving_completion import ServerConfig
 

@@ -102,7 +102,7 @@ from octavo.benchmarks.common import (  # noqa: E402
 )
 from octavo.engine import LLM, BeamSearchParams
 from octavo.engine.config import DTYPES
-from octavo.engine.model_runner import ModelRunner
+from octavo.engine.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WARMUP_REQUESTS = 4

@@ -17,11 +17,11 @@ from octavo.engine.core_client import (
 from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs, EngineStats
 from octavo.engine.engine_core import EngineCore
 from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
-from octavo.engine.models.weights import load_tokenizer
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.outputs import RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.tokenizer import Tokenizer
+from octavo.engine.worker.models.weights import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 import torch
 
 from octavo import kernels
-from octavo.engine.attention.backend import AttentionBackend
-from octavo.engine.attention.torch_backend import TorchAttentionBackend
-from octavo.engine.attention.triton_backend import TritonAttentionBackend
-from octavo.engine.beam_search import BeamState, Hypothesis, normalized_score
-from octavo.engine.block_manager import BlockManager
 from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from octavo.engine.core.beam_state import BeamState, Hypothesis, normalized_score
+from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
+from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import (
     BeamResult,
     EngineCoreInputs,
@@ -30,14 +30,14 @@ from octavo.engine.core_messages import (
     SampleDelta,
 )
 from octavo.engine.errors import ParameterError
-from octavo.engine.model_runner import ModelRunner, profile_activation_bytes
-from octavo.engine.models.gpt2 import GPT2LMHeadModel
-from octavo.engine.models.weights import load_model
-from octavo.engine.sampler import Sampler
 from octavo.engine.sampling_params import BeamSearchParams
-from octavo.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from octavo.engine.sequence import Sequence, SequenceGroup
-from octavo.engine.stop_checker import StopChecker
+from octavo.engine.worker.attention.backend import AttentionBackend
+from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
+from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
+from octavo.engine.worker.model_runner import ModelRunner, profile_activation_bytes
+from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.models.weights import load_model
+from octavo.engine.worker.sampler import Sampler
 
 _GIB = 1 << 30
 
@@ -103,10 +103,11 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model,
             backend,
-            self.block_manager,
             Sampler(self.eos_token_id, generator),
             num_blocks,
             config.block_size,
+            config.max_num_seqs,
+            self.max_model_len,
             self.device,
             dtype,
         )
@@ -237,21 +238,18 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return EngineCoreOutputs([], self.stats())
-        sampled = self.runner.execute(scheduled)
-        groups = self.scheduler.update(scheduled, sampled)
-        new_tokens = _sampled_this_step(scheduled)
+        result = self.runner.execute(scheduled)
         outputs = []
-        for group in groups:
-            seqs = new_tokens.get(id(group), [])
-            samples = [_delta(seq) for seq in seqs]
+        for group, seqs in self.scheduler.update(scheduled, result):
+            samples = [] if group.error is not None else [_delta(seq) for seq in seqs]
             if group.is_finished:
                 del self._groups[group.request_id]
                 outputs.append(self._final_output(group, samples))
             elif samples:
-                first = any(seq.num_output_tokens == 1 for seq in seqs)
+                first = any(len(s.token_ids) - len(s.prompt_token_ids) == 1 for s in seqs)
                 scheduled_time = group.first_scheduled_time if first else None
                 outputs.append(
-                    EngineCoreOutput(group.request_id, samples, first_scheduled_time=scheduled_time)
+                    EngineCoreOutput(group.request_id, samples, False, None, None, scheduled_time)
                 )
         return EngineCoreOutputs(outputs, self.stats())
 
@@ -290,23 +288,18 @@ class EngineCore:
         )
 
 
-def _sampled_this_step(scheduled: SchedulerOutput) -> dict[int, list[Sequence]]:
-    """Per group (by id), the sampling sequences that received a token this step."""
-    sampled: dict[int, list[Sequence]] = {}
-    for item in scheduled.scheduled:
-        if item.group.beam is None and item.sample_seqs and item.group.error is None:
-            sampled.setdefault(id(item.group), []).extend(item.sample_seqs)
-    return sampled
-
-
 def _delta(seq: Sequence) -> SampleDelta:
+    """What `seq` gained this step: its newest token. Positional arguments: this runs for
+    every token of every request."""
+    logprobs = seq.last_logprobs
+    status = seq.status
     return SampleDelta(
-        index=seq.index,
-        new_token_ids=[seq.token_ids[-1]],
-        cumulative_logprob=seq.cumulative_logprob,
-        new_logprobs=None if seq.last_logprobs is None else [seq.last_logprobs],
-        finish_reason=seq.status.finish_reason,
-        stop_reason=seq.stop_reason,
+        seq.index,
+        [seq.token_ids[-1]],
+        seq.cumulative_logprob,
+        None if logprobs is None else [logprobs],
+        None if status is SequenceStatus.RUNNING else status.finish_reason,
+        seq.stop_reason,
     )
 
 

@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from octavo.engine.core.stop_checker import find_stop_string
 from octavo.engine.core_messages import (
     BeamResult,
     EngineCoreOutput,
@@ -22,7 +23,6 @@ from octavo.engine.core_messages import (
 )
 from octavo.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from octavo.engine.stop_checker import find_stop_string
 from octavo.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

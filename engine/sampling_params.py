@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from octavo.engine.errors import ParameterError
 
@@ -152,6 +153,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def is_plain_greedy(self) -> bool:
+        """Greedy, with no penalty, no log-probabilities and no min_tokens: the sampler's
+        fast path. Cached: the sampler asks for every row of every step."""
+        return (
+            self.temperature == 0.0
+            and self.logprobs is None
+            and not self.min_tokens
+            and not self.has_penalties
+        )
 
     @property
     def has_penalties(self) -> bool:

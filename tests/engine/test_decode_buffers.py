@@ -1,11 +1,13 @@
 """The padded static decode batch that CUDA graphs replay, checked on CPU: everything of the
 graph path except the capture itself (tested on a GPU in test_gpu_engine)."""
 
+import numpy as np
 import pytest
 import torch
 
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams
-from octavo.engine.cuda_graphs import DecodeInputBuffers, forward_bucket
+from octavo.engine.worker.cuda_graphs import DecodeInputBuffers, forward_bucket
+from octavo.engine.worker.input_batch import HostBatch
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 
@@ -32,10 +34,13 @@ class EagerBucketReplay:
     def max_batch_size(self) -> int:
         return self.buffers.max_batch_size
 
-    def run(self, input_ids, positions, slots, tables, seq_lens) -> torch.Tensor:
-        size = self.buffers.load(input_ids, positions, slots, tables, seq_lens)
-        self.replays.append((len(input_ids), size))
-        return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: len(input_ids)]
+    def run(self, batch: HostBatch) -> torch.Tensor:
+        size = self.buffers.load(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.seq_lens,
+        )  # fmt: skip
+        self.replays.append((batch.num_seqs, size))
+        return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: batch.num_seqs]
 
 
 def triton_engine(model_dir: str) -> LLMEngine:
@@ -77,7 +82,10 @@ def test_padding_rows_store_nothing(tiny_model_dir, rows):
     tables = [[1 + 3 * r, 2 + 3 * r, 3 + 3 * r] for r in range(rows)]
     seq_lens = [17 + r for r in range(rows)]  # the new token lands in each table's 3rd block
     slots = [t[2] * 8 + (n - 1) % 8 for t, n in zip(tables, seq_lens, strict=True)]
-    size = buffers.load(list(range(rows)), [n - 1 for n in seq_lens], slots, tables, seq_lens)
+    size = buffers.load(
+        np.arange(rows), np.array(seq_lens) - 1, np.array(slots), np.array(tables),
+        np.array(seq_lens),
+    )  # fmt: skip
     assert size == buffers.bucket(rows) and size >= rows
     logits = forward_bucket(engine.runner.model, kv_cache, buffers, size)
     assert torch.isfinite(logits).all()

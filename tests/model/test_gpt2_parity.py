@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from octavo.engine.attention.backend import AttentionMetadata
-from octavo.engine.attention.torch_backend import TorchAttentionBackend
-from octavo.engine.models.gpt2 import GPT2Config
-from octavo.engine.models.weights import DUMMY_PRESETS, load_model
+from octavo.engine.worker.attention.backend import AttentionMetadata
+from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
+from octavo.engine.worker.models.gpt2 import GPT2Config
+from octavo.engine.worker.models.weights import DUMMY_PRESETS, load_model
 from tests.checkpoints import TinySpec, make_checkpoint
 
 SPECS = [

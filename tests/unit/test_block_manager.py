@@ -2,8 +2,8 @@
 
 import pytest
 
-from octavo.engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
-from octavo.engine.sequence import Sequence
+from octavo.engine.core.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
+from octavo.engine.core.sequence import Sequence
 
 
 def make_seq(seq_id: int, num_tokens: int) -> Sequence:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from octavo.engine.cuda_graphs import batch_size_buckets
+from octavo.engine.worker.cuda_graphs import batch_size_buckets
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 3, 8, 9, 16, 17, 40, 256])

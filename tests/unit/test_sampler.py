@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
-from octavo.engine.sampler import (
+from octavo.engine.core.sequence import Sequence
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.step_io import SamplingRequest
+from octavo.engine.worker.sampler import (
     Sampler,
-    SamplingRequest,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
-from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.sequence import Sequence
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 EOS = 4

@@ -2,12 +2,12 @@
 
 import itertools
 
-from octavo.engine.block_manager import BlockManager
-from octavo.engine.sampler import ModelRunnerOutput, SamplerOutput
+from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
+from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from octavo.engine.stop_checker import StopChecker
+from octavo.engine.step_io import ModelRunnerOutput, SamplerOutput, SchedulerOutput
 
 EOS = 0
 _tokens = itertools.count(10)
@@ -39,9 +39,11 @@ def step(scheduler: Scheduler, bm: BlockManager) -> SchedulerOutput:
     """One engine step with a fake model that samples a fresh non-EOS token per row."""
     out = scheduler.schedule()
     bm.check_invariants()
-    rows = sum(len(s.sample_seqs) for s in out.scheduled)
+    seq_ids = [seq.seq_id for s in out.scheduled for seq in s.sample_seqs]
+    rows = len(seq_ids)
     tokens = [next(_tokens) for _ in range(rows)]
-    scheduler.update(out, ModelRunnerOutput(SamplerOutput(tokens, [0.0] * rows, [None] * rows)))
+    sampled = SamplerOutput(tokens, [0.0] * rows, [None] * rows)
+    scheduler.update(out, ModelRunnerOutput(seq_ids, sampled))
     bm.check_invariants()
     return out
 

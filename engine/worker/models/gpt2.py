@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octavo.engine.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 # Activations whose math is exactly GELU with the tanh approximation.
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from octavo.engine.attention.backend import AttentionBackend
-from octavo.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from octavo.engine.tokenizer import Tokenizer
+from octavo.engine.worker.attention.backend import AttentionBackend
+from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
 # Shapes of the released GPT-2 sizes, for load_format="dummy" without a config.json.
 DUMMY_PRESETS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from octavo.engine.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.kernels.copy_blocks import copy_blocks
 from octavo.kernels.paged_attention import paged_attention
 from octavo.kernels.store_kv import store_kv

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from octavo.engine.attention.backend import AttentionMetadata
-from octavo.engine.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.attention.backend import AttentionMetadata
+from octavo.engine.worker.input_batch import HostBatch
+from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.kernels.paged_attention import choose_num_splits, num_sms
 
 # Captured batch sizes: small powers of two, then every multiple of this step.
@@ -69,29 +71,29 @@ class DecodeInputBuffers:
 
     def load(
         self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        tables: list[list[int]],
-        seq_lens: list[int],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
     ) -> int:
-        """Writes one decode batch (a token per sequence), padded; returns its bucket size."""
+        """Writes one decode batch (a token per sequence; block_tables [n, width]), padded;
+        returns its bucket size."""
         n = len(input_ids)
         size = self.bucket(n)
-        pad = size - n
-        width = max(len(t) for t in tables)
-        tokens = torch.tensor(
-            [input_ids + [0] * pad, positions + [0] * pad, slots + [PAD_SLOT] * pad],
-            dtype=torch.long,
-        )
-        rows = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
-        rows += [[NULL_BLOCK] * width] * pad
-        self.tokens[:, :size].copy_(tokens, non_blocking=True)
-        self.seq_lens[:size].copy_(
-            torch.tensor(seq_lens + [PAD_SEQ_LEN] * pad, dtype=torch.int32), non_blocking=True
-        )
-        self.block_tables[:size, :width].copy_(
-            torch.tensor(rows, dtype=torch.int32), non_blocking=True
+        tokens = np.zeros((3, size), dtype=np.int64)
+        tokens[0, :n] = input_ids
+        tokens[1, :n] = positions
+        tokens[2, :n] = slots
+        tokens[2, n:] = PAD_SLOT
+        lens = np.full(size, PAD_SEQ_LEN, dtype=np.int32)
+        lens[:n] = seq_lens
+        tables = np.full((size, block_tables.shape[1]), NULL_BLOCK, dtype=np.int32)
+        tables[:n] = block_tables
+        self.tokens[:, :size].copy_(torch.from_numpy(tokens), non_blocking=True)
+        self.seq_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
+        self.block_tables[:size, : tables.shape[1]].copy_(
+            torch.from_numpy(tables), non_blocking=True
         )
         return size
 
@@ -169,16 +171,12 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        tables: list[list[int]],
-        seq_lens: list[int],
-    ) -> torch.Tensor:
-        """Logits [len(input_ids), vocab] of a decode-only batch (one token per sequence).
+    def run(self, batch: HostBatch) -> torch.Tensor:
+        """Logits [batch.num_seqs, vocab] of a decode-only batch (`batch.is_graph_decode`).
         The result is a view of graph memory, valid until the next replay."""
-        size = self.buffers.load(input_ids, positions, slots, tables, seq_lens)
+        size = self.buffers.load(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.seq_lens,
+        )  # fmt: skip
         self.graphs[size].replay()
-        return self.logits[size][: len(input_ids)]
+        return self.logits[size][: batch.num_seqs]

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from octavo.engine.core.beam_state import BeamState
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
-
-if TYPE_CHECKING:
-    from octavo.engine.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -24,11 +21,14 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISH_REASONS
+        # Identity tests: an Enum's __hash__ runs in Python, a set lookup would cost more.
+        return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        if self is SequenceStatus.RUNNING or self is SequenceStatus.WAITING:
+            return None
+        return _FINISH_REASONS[self]
 
 
 _FINISH_REASONS = {
@@ -39,7 +39,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """One token stream: the prompt plus what has been generated for it.
 
@@ -87,7 +87,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        status = self.status
+        return status is not SequenceStatus.WAITING and status is not SequenceStatus.RUNNING
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None):
         self.token_ids.append(token_id)
@@ -145,8 +146,18 @@ class SequenceGroup:
         return [s for s in self.seqs if not s.is_finished]
 
     @property
+    def num_unfinished_seqs(self) -> int:
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without a generator
+            return 0 if seqs[0].is_finished else 1
+        return sum(1 for s in seqs if not s.is_finished)
+
+    @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].is_finished
+        return all(seq.is_finished for seq in seqs)
 
     @property
     def sampling(self) -> SamplingParams:

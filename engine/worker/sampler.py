@@ -2,59 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.sequence import Sequence
-
-
-@dataclass
-class SamplingRequest:
-    """One row of logits: the sequence that receives the token and its request's parameters."""
-
-    params: SamplingParams
-    seq: Sequence
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.seq.generator
-
-
-@dataclass
-class SamplerOutput:
-    """Per row: the sampled token, its log-probability, and the top-N map when requested."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float] | None]
-
-
-@dataclass
-class BeamCandidates:
-    """Per beam-search row, its `k` most likely next tokens, best first, on the host.
-
-    Adding a beam's running score does not reorder its own tokens, so the best candidates
-    over all beams of a group are among each beam's top `k` whenever `k` is at least the
-    group's candidates per step plus its stop tokens (which min_tokens may mask out). The
-    runner reduces on the device and moves only these [rows, k] tensors, not [rows, vocab].
-    """
-
-    logprobs: torch.Tensor  # float32 [num_beam_rows, k], log_softmax of the logits
-    token_ids: torch.Tensor  # int64 [num_beam_rows, k]
-
-    def rows(self, index: list[int]) -> BeamCandidates:
-        return BeamCandidates(self.logprobs[index], self.token_ids[index])
-
-
-@dataclass
-class ModelRunnerOutput:
-    """A step's results: sampled tokens for sampling rows, and for beam-search rows their
-    best next-token candidates (BeamSearch ranks candidates across beams itself)."""
-
-    sampled: SamplerOutput
-    beam_candidates: BeamCandidates | None = None
+from octavo.engine.step_io import SamplerOutput, SamplingRequest
 
 
 class Sampler:
@@ -74,6 +24,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """logits: [num_rows, vocab] float32, one row per request."""
+        if all(r.params.is_plain_greedy for r in requests):
+            return self._greedy(logits, len(requests))
         logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._process(logits, requests)
         sampled = logits.argmax(dim=-1)
@@ -85,6 +37,14 @@ class Sampler:
         token_ids = sampled.tolist()
         top = self._top_logprobs(logprobs, token_ids, token_logprobs, requests)
         return SamplerOutput(token_ids, token_logprobs.tolist(), top)
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, num_rows: int) -> SamplerOutput:
+        """The fast path of rows that are greedy and need nothing else: the argmax and its
+        log-probability, without materializing log_softmax over the vocabulary."""
+        token_ids = logits.argmax(dim=-1)
+        logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+        return SamplerOutput(token_ids.tolist(), logprobs.tolist(), [None] * num_rows)
 
     def _process(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
         """Applies penalties and the min_tokens mask, copying `logits` only when needed."""
@@ -119,13 +79,13 @@ class Sampler:
             logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        unseeded = [i for i, r in enumerate(requests) if r.seq.generator is None]
         if unseeded:
             draws = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
             noise[unseeded] = draws.exponential_(generator=self.generator)
         for i, request in enumerate(requests):
-            if request.generator is not None:
-                noise[i].exponential_(generator=request.generator)
+            if request.seq.generator is not None:
+                noise[i].exponential_(generator=request.seq.generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from octavo.engine.sequence import Sequence
+from octavo.engine.core.sequence import Sequence
 
 NULL_BLOCK = 0  # reserved: padded block-table entries point here, never allocated
 
@@ -20,6 +20,10 @@ class BlockManager:
     block that others still hold (only ever its partially filled last block), `append_slots`
     gives it a private copy and records the `(src, dst)` pair; `take_copies` hands the pairs of
     a step to the model runner, which copies them before storing new K/V.
+
+    It also records, for the model runner's persistent rows, which tables changed (created,
+    grown, a copy-on-write swap, a fork) and which were dropped since the last step
+    (`take_changes`): a steady decode inside its last block changes nothing.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -32,6 +36,8 @@ class BlockManager:
         self._free_blocks = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self.block_tables: dict[int, list[int]] = {}
         self._copies: list[tuple[int, int]] = []
+        self._changed: set[int] = set()
+        self._freed: list[int] = []
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -61,6 +67,15 @@ class BlockManager:
         if self._needs_copy_on_write(seq, table):
             needed += 1
         return max(needed, 0)
+
+    def has_slot_in_place(self, seq: Sequence) -> bool:
+        """True when the next token of `seq` goes into a block it already holds alone: one
+        decode token then needs no allocation, copy or table change (the common step)."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return False
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(table) and self.ref_counts[table[index]] == 1
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
@@ -95,14 +110,17 @@ class BlockManager:
         if self.num_new_blocks_needed(seq, num_new_tokens) > self.num_free_blocks:
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more blocks than are free")
         table = self.block_tables.setdefault(seq.seq_id, [])
+        target = self.num_blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        if len(table) < target:
+            self._changed.add(seq.seq_id)
         if self._needs_copy_on_write(seq, table):
+            self._changed.add(seq.seq_id)
             index = seq.num_computed_tokens // self.block_size
             src = table[index]
             dst = self._allocate_block()
             table[index] = dst
             self._release_block(src)
             self._copies.append((src, dst))
-        target = self.num_blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         while len(table) < target:
             table.append(self._allocate_block())
 
@@ -112,12 +130,15 @@ class BlockManager:
         for block in table:
             self.ref_counts[block] += 1
         self.block_tables[child.seq_id] = list(table)
+        self._changed.add(child.seq_id)
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s table; blocks nobody else holds go back to the free list."""
         table = self.block_tables.pop(seq.seq_id, None)
         if table is None:
             return
+        self._changed.discard(seq.seq_id)
+        self._freed.append(seq.seq_id)
         for block in reversed(table):
             self._release_block(block)
 
@@ -125,6 +146,13 @@ class BlockManager:
         """The (src, dst) block copies recorded since the last call, in recording order."""
         copies, self._copies = self._copies, []
         return copies
+
+    def take_changes(self) -> tuple[set[int], list[int]]:
+        """(ids of sequences whose tables changed, ids of sequences whose tables were
+        dropped) since the last call."""
+        changed, freed = self._changed, self._freed
+        self._changed, self._freed = set(), []
+        return changed, freed
 
     # -- checks ------------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from octavo.engine.core.sequence import Sequence
 from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,10 @@ class StopDecision:
     finish_reason: str
     stop_reason: int | str | None = None
     text_end: int | None = None
+
+
+_STOP_ON_EOS = StopDecision("stop")
+_STOP_ON_LENGTH = StopDecision("length")
 
 
 class StopChecker:
@@ -32,14 +36,18 @@ class StopChecker:
         self.eos_token_id = eos_token_id
 
     def check(self, seq: Sequence, params: SamplingParams) -> StopDecision | None:
-        token_id = seq.token_ids[-1]
-        if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id == self.eos_token_id:
-                return StopDecision("stop")
-            if token_id in params.stop_token_ids:
+        # Runs for every sampled token: locals instead of properties, shared decisions.
+        token_ids = seq.token_ids
+        num_tokens = len(token_ids)
+        num_output = num_tokens - len(seq.prompt_token_ids)
+        token_id = token_ids[-1]
+        if num_output >= params.min_tokens:
+            if token_id == self.eos_token_id and not params.ignore_eos:
+                return _STOP_ON_EOS
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 return StopDecision("stop", stop_reason=token_id)
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return StopDecision("length")
+        if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
+            return _STOP_ON_LENGTH
         return None
 
 

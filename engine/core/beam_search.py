@@ -2,93 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from octavo.engine.block_manager import BlockManager
-from octavo.engine.sampler import BeamCandidates
-from octavo.engine.sampling_params import BeamSearchParams
-from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-
-# Hugging Face marks impossible candidates and empty hypothesis slots with this score; using
-# the same float32 arithmetic keeps every ranking, ties included, identical to theirs.
-NEG_INF_SCORE = -1.0e9
-
-
-def length_normalizer(length: int, length_penalty: float) -> float:
-    """`length ** length_penalty` as HF computes it, but an overflow gives inf (the score
-    then rounds to 0) instead of raising: any finite length_penalty is a valid request."""
-    try:
-        return math.pow(length, length_penalty)
-    except OverflowError:
-        return math.inf
-
-
-def normalized_score(cumulative_logprob: float, length: int, length_penalty: float) -> float:
-    """cumulative_logprob / length ** length_penalty in Python floats, with the IEEE results
-    (an infinity, or NaN for 0 / 0) where the denominator underflows to 0."""
-    denominator = length_normalizer(length, length_penalty)
-    if denominator == 0.0:
-        return math.copysign(math.inf, cumulative_logprob) if cumulative_logprob else math.nan
-    return cumulative_logprob / denominator
-
-
-@dataclass
-class Hypothesis:
-    """A finished beam: its generated tokens (ending in the stop token if it stopped)."""
-
-    token_ids: list[int]
-    cumulative_logprob: float
-    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
-    finish_reason: str
-
-
-@dataclass
-class BeamState:
-    """A beam group's search state; the live beams are the group's unfinished sequences, in
-    the order of `running_scores` (best first)."""
-
-    params: BeamSearchParams
-    stop_token_ids: list[int]
-    max_new_tokens: int
-    running_scores: torch.Tensor  # float32 [num_live_beams]
-    slots: list[Hypothesis | None] = field(default_factory=list)  # beam_width, best first
-    # float32 [beam_width], NEG_INF_SCORE if empty (create() sizes it).
-    slot_scores: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    heuristic_unsatisfied: bool = True
-
-    @classmethod
-    def create(
-        cls, params: BeamSearchParams, eos_token_id: int | None, max_new_tokens: int
-    ) -> BeamState:
-        stops = [] if params.ignore_eos or eos_token_id is None else [eos_token_id]
-        stops += [t for t in params.stop_token_ids if t not in stops]
-        width = params.beam_width
-        return cls(
-            params,
-            stops,
-            max_new_tokens,
-            torch.zeros(1),
-            slots=[None] * width,
-            slot_scores=torch.full((width,), NEG_INF_SCORE),
-        )
-
-    @property
-    def candidates_per_step(self) -> int:
-        """HF keeps (1 + number of stop tokens) x beam_width candidates, at least 2 x."""
-        return max(2, 1 + len(self.stop_token_ids)) * self.params.beam_width
-
-    @property
-    def candidates_needed(self) -> int:
-        """Next tokens needed per beam: the candidates of a step plus the stop tokens that
-        min_tokens may mask out of them (see BeamCandidates)."""
-        return self.candidates_per_step + len(self.stop_token_ids)
-
-    def hypotheses(self) -> list[Hypothesis]:
-        return [h for h in self.slots if h is not None]
+from octavo.engine.core.beam_state import (
+    NEG_INF_SCORE,
+    BeamState,
+    Hypothesis,
+    length_normalizer,
+)
+from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.step_io import BeamCandidates
 
 
 class BeamSearch:

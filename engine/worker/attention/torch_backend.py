@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from octavo.engine.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass
@@ -28,21 +28,27 @@ class SequenceSlice:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    """Adds the per-sequence gather plan, computed once per step for all layers."""
+    """Adds the gather plan, computed once per step for all layers: the leading decodes as
+    one padded batch (`decode_key_slots` [D, max decode seq_len], `decode_mask` True where a
+    key exists), then one slice per other sequence."""
 
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
     store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    num_decodes: int = 0
+    decode_key_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
     sequences: list[SequenceSlice] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Gathers each sequence's K/V through its block table and calls SDPA per sequence.
+    """Gathers K/V through the block tables and calls SDPA: once for all decodes, once per
+    other sequence.
 
-    One unpadded, unmasked SDPA call per decode is several times faster on CPU than one
-    padded, masked call for the whole batch (the masked path falls back to unfused math, and
-    padding copies keys nobody reads). A prefill without context attends to its own fresh
-    keys with a causal mask; one with context (a later chunk, a recompute) gathers its keys
-    from the cache and masks in absolute positions.
+    The decodes of a step (one query each) are one padded batch: one gather, one masked SDPA
+    call, no per-sequence Python, so the step's host cost does not grow with the batch. A
+    prefill without context attends to its own fresh keys with a causal mask; one with
+    context (a later chunk, a recompute) gathers its keys from the cache and masks in
+    absolute positions.
     """
 
     name = "torch"
@@ -56,9 +62,20 @@ class TorchAttentionBackend(AttentionBackend):
             out.store_slots = metadata.slot_mapping[out.store_rows]
         key_slots = self._key_slots(metadata)
         device = metadata.slot_mapping.device
-        start = 0
+        query_lens = metadata.query_lens_host
+        num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+        if num_decodes:
+            width = max(metadata.seq_lens_host[:num_decodes])
+            decode_lens = metadata.seq_lens[:num_decodes, None]
+            out.num_decodes = num_decodes
+            out.decode_mask = torch.arange(width, device=device)[None, :] < decode_lens
+            # Padding keys read slot 0 of the zeroed null block: slots past a sequence's
+            # length may hold unwritten memory (NaN), and 0 x NaN would poison the sum.
+            out.decode_key_slots = key_slots[:num_decodes, :width].masked_fill(~out.decode_mask, 0)
+        start = num_decodes
         for i, (q_len, seq_len) in enumerate(
-            zip(metadata.query_lens_host, metadata.seq_lens_host, strict=True)
+            zip(query_lens[num_decodes:], metadata.seq_lens_host[num_decodes:], strict=True),
+            start=num_decodes,
         ):
             context = seq_len - q_len
             slots = mask = None
@@ -99,6 +116,15 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, metadata.store_slots, k_new)
         v_flat.index_copy_(0, metadata.store_slots, v_new)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if metadata.num_decodes:
+            assert metadata.decode_key_slots is not None and metadata.decode_mask is not None
+            num = metadata.num_decodes
+            query = q[:num, :, None, :]  # [D, H, 1, hd]
+            keys = k_flat[metadata.decode_key_slots].transpose(1, 2)  # [D, H, L, hd]
+            values = v_flat[metadata.decode_key_slots].transpose(1, 2)
+            mask = metadata.decode_mask[:, None, None, :]  # [D, 1, 1, L]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+            out[:num] = o[:, :, 0, :]
         for s in metadata.sequences:
             query = q[s.start : s.end].transpose(0, 1)  # [H, q_len, D]
             if s.key_slots is None:

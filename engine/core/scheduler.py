@@ -6,44 +6,20 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from octavo.engine.beam_search import BeamSearch
-from octavo.engine.block_manager import BlockManager
-from octavo.engine.sampler import ModelRunnerOutput, SamplerOutput
-from octavo.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from octavo.engine.stop_checker import StopChecker
+from octavo.engine.core.beam_search import BeamSearch
+from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.core.stop_checker import StopChecker
+from octavo.engine.step_io import (
+    ModelRunnerOutput,
+    SamplingRequest,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's work in a step.
-
-    The step computes tokens [num_computed, num_computed + num_new_tokens) of `seq`. When that
-    reaches the end of its tokens, the logits of the last one are sampled once for every
-    sequence in `sample_seqs`: `[seq]`, or `seq` and the children forked from it this step
-    (the prompt of an n > 1 request is computed once, then sampled n times).
-    """
-
-    group: SequenceGroup
-    seq: Sequence
-    num_new_tokens: int
-    sample_seqs: list[Sequence]
-
-
-@dataclass
-class SchedulerOutput:
-    """A step's plan: sequences with one query token come first (the decode fast path)."""
-
-    scheduled: list[ScheduledSequence]
-    blocks_to_copy: list[tuple[int, int]]
-    preempted: list[SequenceGroup] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(frozen=True)
@@ -75,6 +51,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompts admitted (each counted once)
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
+        self._num_running_seqs: int | None = None  # None: to be recounted
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
 
     def new_seq_id(self) -> int:
@@ -87,6 +64,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Finishes a request as aborted and frees its blocks at once; None if unknown."""
+        self._num_running_seqs = None
         for queue in (self.waiting, self.running):
             for group in queue:
                 if group.request_id == request_id:
@@ -102,6 +80,7 @@ class Scheduler:
         """Finishes sample `index` of a request (the front end matched one of its stop
         strings) and frees its blocks; the request's other samples go on. Returns the group
         if that was its last unfinished sample (it is then removed), else None."""
+        self._num_running_seqs = None
         for queue in (self.running, self.waiting):
             for group in queue:
                 if group.request_id != request_id:
@@ -122,17 +101,57 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(g.unfinished_seqs) for g in self.running)
+        """Unfinished sequences of the running groups; recounted only after a change other
+        than steady decoding (the stats of every step read it)."""
+        if self._num_running_seqs is None:
+            self._num_running_seqs = sum(g.num_unfinished_seqs for g in self.running)
+        return self._num_running_seqs
 
     # -- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Plans one step and advances every scheduled sequence's `num_computed_tokens` past
+        the tokens it schedules (their K/V are in the cache once the step has run)."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        decodes: list[ScheduledSequence] = []  # one query token: first in the batch
+        prefills: list[ScheduledSequence] = []
         preempted: list[SequenceGroup] = []
+        bm = self.block_manager
+        tables, ref_counts, block_size = bm.block_tables, bm.ref_counts, bm.block_size
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
+            seqs = group.seqs
+            if len(seqs) == 1 and group.beam is None:
+                # The steady state, inlined: one sample decoding into a block it holds alone
+                # needs no plan, allocation or copy.
+                seq = seqs[0]
+                start = seq.num_computed_tokens
+                table = tables.get(seq.seq_id)
+                if (
+                    len(seq.token_ids) - start == 1
+                    and table is not None
+                    and start // block_size < len(table)
+                    and ref_counts[table[start // block_size]] == 1
+                    and not group.needs_fork
+                ):
+                    seq.num_computed_tokens = start + 1
+                    decodes.append(
+                        ScheduledSequence(
+                            seq.seq_id, seq.token_ids, start, 1, table,
+                            [SamplingRequest(group.sampling_params, seq)],  # type: ignore[arg-type]
+                            0, group, seq,
+                        )
+                    )  # fmt: skip
+                    budget -= 1
+                    index += 1
+                    continue
+            self._num_running_seqs = None  # a fork, a finish or a preemption may follow
+            seqs = group.unfinished_seqs
+            if len(seqs) <= budget and self._decode_in_place(group, seqs, decodes):
+                budget -= len(seqs)
+                index += 1
+                continue
             plan = self._plan(group, budget)
             while not self._fits(plan):
                 victim = self.running.pop()
@@ -142,10 +161,10 @@ class Scheduler:
                     break
             if group in preempted:
                 break
-            budget -= self._commit(group, plan, scheduled)
+            budget -= self._commit(group, plan, decodes, prefills)
             index += 1
 
-        num_seqs = self.num_running_seqs
+        num_seqs = self.num_running_seqs if self.waiting else 0
         while self.waiting and budget > 0 and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs
@@ -156,21 +175,51 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(group)
+            self._num_running_seqs = None
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += len(group.prompt_token_ids)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.sampling_params.n)
-            budget -= self._commit(group, plan, scheduled)
+            budget -= self._commit(group, plan, decodes, prefills)
 
-        # Stable: decodes first, each part still in admission order.
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        changed, freed = self.block_manager.take_changes()
         return SchedulerOutput(
-            scheduled=scheduled,
+            scheduled=decodes + prefills,
             blocks_to_copy=self.block_manager.take_copies(),
+            changed_seq_ids=changed,
+            freed_seq_ids=freed,
             preempted=preempted,
         )
+
+    def _decode_in_place(
+        self, group: SequenceGroup, seqs: list[Sequence], decodes: list[ScheduledSequence]
+    ) -> bool:
+        """The steady state, without planning: when every live sequence of `group` decodes
+        one token into a block it already holds alone, schedules them all and returns True;
+        otherwise schedules nothing and returns False."""
+        if group.needs_fork:
+            return False
+        bm = self.block_manager
+        for seq in seqs:
+            if len(seq.token_ids) - seq.num_computed_tokens != 1 or not bm.has_slot_in_place(seq):
+                return False
+        beam = group.beam
+        top_k = 0 if beam is None else beam.candidates_needed
+        params = group.sampling_params
+        tables = bm.block_tables
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + 1
+            samples = [] if beam is not None else [SamplingRequest(params, seq)]  # type: ignore[arg-type]
+            decodes.append(
+                ScheduledSequence(
+                    seq.seq_id, seq.token_ids, start, 1, tables[seq.seq_id], samples, top_k,
+                    group, seq,
+                )
+            )  # fmt: skip
+        return True
 
     def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """How many tokens each unfinished sequence of `group` computes within `budget`."""
@@ -215,22 +264,34 @@ class Scheduler:
         self,
         group: SequenceGroup,
         plan: list[tuple[Sequence, int]],
-        scheduled: list[ScheduledSequence],
+        decodes: list[ScheduledSequence],
+        prefills: list[ScheduledSequence],
     ) -> int:
-        """Allocates the planned slots, forks n > 1 samples off a completed prompt; returns
-        the number of tokens scheduled."""
+        """Allocates the planned slots, advances the sequences, forks n > 1 samples off a
+        completed prompt; returns the number of tokens scheduled."""
+        bm = self.block_manager
+        beam = group.beam
         for seq, num_new in plan:
-            self.block_manager.append_slots(seq, num_new)
-            sample_seqs = []
-            if num_new == seq.num_uncomputed_tokens:
-                sample_seqs = [seq]
-                if group.needs_fork:
-                    sample_seqs += self._fork(group, seq)
-            elif group.beam is not None and seq.num_computed_tokens + num_new == len(
-                group.prompt_token_ids
-            ):
+            bm.append_slots(seq, num_new)
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + num_new
+            samples: list[SamplingRequest] = []
+            top_k = 0
+            if seq.num_computed_tokens == len(seq.token_ids):
+                if beam is not None:
+                    top_k = beam.candidates_needed
+                else:
+                    params = group.sampling
+                    samples.append(SamplingRequest(params, seq))
+                    if group.needs_fork:
+                        samples += [SamplingRequest(params, c) for c in self._fork(group, seq)]
+            elif beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
                 self._share_recomputed_prompt(group, seq)
-            scheduled.append(ScheduledSequence(group, seq, num_new, sample_seqs))
+            item = ScheduledSequence(
+                seq.seq_id, seq.token_ids, start, num_new, bm.block_tables[seq.seq_id],
+                samples, top_k, group, seq,
+            )  # fmt: skip
+            (decodes if num_new == 1 else prefills).append(item)
         return sum(n for _, n in plan)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
@@ -261,81 +322,92 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
+    def update(
+        self, output: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[tuple[SequenceGroup, list[Sequence]]]:
         """Appends the sampled tokens, applies stop rules, advances beam searches, frees
-        finished sequences; returns the groups that progressed this step, finished included.
+        finished sequences. Returns the groups that progressed this step (finished included),
+        each with its sampling sequences that received a token (none for a beam search or a
+        group that failed).
 
-        Whatever raises while one group is updated (sampling bookkeeping, stop checks, beam
-        arithmetic) fails that group alone (`fail`); the others are updated as usual."""
+        Rows are applied by the sequence each names. Whatever raises while one group is
+        updated (sampling bookkeeping, stop checks, beam arithmetic) fails that group alone
+        (`fail`); the others are updated as usual."""
         now = time.monotonic()
-        sampled = result.sampled
-        row = beam_row = 0
-        updated: dict[int, SequenceGroup] = {}
-        beam_rows: dict[int, dict[int, int]] = {}  # group -> seq_id -> row of beam_candidates
+        targets: dict[int, tuple[SequenceGroup, Sequence]] = {}
+        beam_groups: dict[int, SequenceGroup] = {}
         for item in output.scheduled:
-            group = item.group
-            if item.sample_seqs:
-                updated[id(group)] = group
-            if group.beam is not None:
-                item.seq.num_computed_tokens += item.num_new_tokens
-                for seq in item.sample_seqs:
-                    beam_rows.setdefault(id(group), {})[seq.seq_id] = beam_row
-                    beam_row += 1
-                continue
-            first_row, row = row, row + len(item.sample_seqs)
-            if group.is_finished:  # failed earlier in this step
+            for request in item.samples:
+                targets[request.seq.seq_id] = (item.group, request.seq)
+            if item.beam_top_k:
+                beam_groups[id(item.group)] = item.group
+        updated: dict[int, tuple[SequenceGroup, list[Sequence]]] = {}
+        sampled = result.sampled
+        check_stop = self.stop_checker.check
+        any_finished = False
+        for seq_id, token_id, logprob, top in zip(
+            result.sampled_seq_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
+            strict=True,
+        ):  # fmt: skip
+            group, seq = targets[seq_id]
+            entry = updated.get(id(group))
+            if entry is None:
+                entry = updated[id(group)] = (group, [])
+            if group.error is not None:  # failed earlier in this step
                 continue
             try:
-                self._append_samples(group, item, sampled, first_row, now)
+                seq.token_ids.append(token_id)
+                seq.cumulative_logprob += logprob
+                seq.last_logprobs = top
+                decision = check_stop(seq, group.sampling_params)  # type: ignore[arg-type]
+                if decision is not None:
+                    self._stop(seq, decision.finish_reason, decision.stop_reason)
+                    group.finished_time = now
+                    any_finished = True
             except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                 self.fail(group, exc)
-                updated[id(group)] = group
-        self.num_generation_tokens += row
-        for key, rows in beam_rows.items():
-            group = updated[key]
-            if group.is_finished:
+                any_finished = True
                 continue
-            beams = group.unfinished_seqs
-            try:
-                assert result.beam_candidates is not None, "beam rows without candidates"
-                candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
-                self.beam_search.step(group, candidates)
-            except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
-                self.fail(group, exc)
-                continue
-            self.num_generation_tokens += len(beams)
+            entry[1].append(seq)
             if group.first_token_time is None:
                 group.first_token_time = now
-            if group.is_finished:
-                group.finished_time = now
-        if any(g.is_finished for g in updated.values()):
+        self.num_generation_tokens += len(result.sampled_seq_ids)
+        if beam_groups:
+            self._num_running_seqs = None  # a first step turns one sequence into beams
+            beam_rows = {seq_id: row for row, seq_id in enumerate(result.beam_seq_ids)}
+            for group in beam_groups.values():
+                updated[id(group)] = (group, [])
+                self._beam_step(group, result, beam_rows, now)
+                any_finished = any_finished or group.is_finished
+        if any_finished:
             self.running = [g for g in self.running if not g.is_finished]
+            self._num_running_seqs = None
         return list(updated.values())
 
-    def _append_samples(
-        self,
-        group: SequenceGroup,
-        item: ScheduledSequence,
-        sampled: SamplerOutput,
-        first_row: int,
-        now: float,
+    def _beam_step(
+        self, group: SequenceGroup, result: ModelRunnerOutput, rows: dict[int, int], now: float
     ) -> None:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        for row, seq in enumerate(item.sample_seqs, start=first_row):
-            seq.num_computed_tokens = item.seq.num_computed_tokens
-            seq.append_token(
-                sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
-            )
-            self._check_stop(group, seq)
-            if seq.is_finished:
-                group.finished_time = now
-        if item.sample_seqs and group.first_token_time is None:
+        if group.is_finished:
+            return
+        beams = group.unfinished_seqs
+        try:
+            assert result.beam_candidates is not None, "beam rows without candidates"
+            candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
+            self.beam_search.step(group, candidates)
+        except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+            self.fail(group, exc)
+            return
+        self.num_generation_tokens += len(beams)
+        if group.first_token_time is None:
             group.first_token_time = now
+        if group.is_finished:
+            group.finished_time = now
 
     def fail(self, group: SequenceGroup, exc: BaseException) -> None:
         """Ends a request whose processing raised: its unfinished sequences finish with
         FINISHED_ERROR and free their blocks; `group.error` says why, for its client."""
         logger.error("request %s failed", group.request_id, exc_info=exc)
+        self._num_running_seqs = None
         group.error = f"{type(exc).__name__}: {exc}"
         group.finished_time = time.monotonic()
         for seq in group.unfinished_seqs:
@@ -344,15 +416,12 @@ class Scheduler:
         if group in self.running:
             self.running.remove(group)
 
-    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        decision = self.stop_checker.check(seq, group.sampling)
-        if decision is None:
-            return
+    def _stop(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
         seq.status = (
             SequenceStatus.FINISHED_LENGTH
-            if decision.finish_reason == "length"
+            if finish_reason == "length"
             else SequenceStatus.FINISHED_STOPPED
         )
-        assert not isinstance(decision.stop_reason, str), "token rules match no text"
-        seq.stop_reason = decision.stop_reason
+        assert not isinstance(stop_reason, str), "token rules match no text"
+        seq.stop_reason = stop_reason
         self.block_manager.free(seq)

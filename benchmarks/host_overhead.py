@@ -1,0 +1,259 @@
+"""Host work per generated token: what the engine's Python costs around a near-zero model.
+
+Workload: a GPT-2 with near-zero compute (--layers 0 or 1, --hidden 16, --heads 1, a --vocab
+of 256 by default or GPT-2's 50257) with dummy weights; --batch-sizes requests of
+--prompt-len random token ids each generate --output-len tokens (greedy, EOS ignored), all
+added to one `EngineCore` at once and stepped until done. Every engine step is timed, and
+inside it the phases, by wrapping the core's own objects for the run (nothing is changed
+in the engine for this):
+
+  schedule   scheduler.schedule()          forward   runner.model forward + compute_logits
+  execute    runner.execute() - forward    update    scheduler.update()
+  sample     runner.sampler(...)           (inside execute)
+  outputs    step() - schedule - execute - update (building the step's outputs)
+
+A steady decode step is one in which every one of the batch's requests received a token.
+Reported per batch size, as medians over the steady steps of --repeats runs: step wall time,
+forward time, host work per token = (step - forward) / batch, tokens/s = batch / step, and
+the phases. --before-root DIR measures another checkout (an older commit) the same way in a
+subprocess, for a before/after in one run. Speed is never asserted in tests.
+
+    .venv/bin/python benchmarks/host_overhead.py --before-root /tmp/before
+    .venv/bin/python benchmarks/host_overhead.py --layers 1 --vocab 50257
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+try:
+    import octavo.engine  # noqa: F401
+except ImportError:  # run as a plain script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from octavo.engine.config import EngineConfig
+from octavo.engine.core_messages import EngineCoreRequest
+from octavo.engine.engine_core import EngineCore
+from octavo.engine.sampling_params import SamplingParams
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BLOCK_SIZE = 16  # EngineConfig's default
+PHASES = ("schedule", "execute", "forward", "sample", "update", "outputs")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
+    parser.add_argument("--before-root", type=Path, default=None,
+                        help="an older Octavo checkout to measure too")  # fmt: skip
+    parser.add_argument("--result-file", type=Path, default=None)
+    parser.add_argument("--measure-only", action="store_true",
+                        help="print results as JSON (for --before-root)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase label over one engine step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, label: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.totals[label] += time.perf_counter() - start
+
+        return timed
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def instrument(core: EngineCore, timer: PhaseTimer) -> None:
+    """Wraps the core's scheduler, runner, model and sampler with timers (instance attributes
+    shadow the methods for this core only)."""
+    scheduler, runner = core.scheduler, core.runner
+    scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
+    scheduler.update = timer.wrap("update", scheduler.update)
+    runner.execute = timer.wrap("execute", runner.execute)
+    model = runner.model
+    model.forward = timer.wrap("forward", model.forward)
+    model.compute_logits = timer.wrap("forward", model.compute_logits)
+    runner.sampler = timer.wrap("sample", runner.sampler)
+
+
+def write_model(folder: Path, args: argparse.Namespace) -> None:
+    config = {
+        "model_type": "gpt2",
+        "vocab_size": args.vocab,
+        "n_positions": args.prompt_len + args.output_len + 16,
+        "n_embd": args.hidden,
+        "n_layer": args.layers,
+        "n_head": args.heads,
+        "bos_token_id": args.vocab - 1,
+        "eos_token_id": args.vocab - 1,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[str, float]]:
+    """One workload of `batch` requests; the timings of each steady decode step."""
+    engine_args = json.loads(args.engine_args)
+    # Room for every sequence at full length (a 0-layer model has no KV bytes to size by).
+    blocks_per_seq = -(-(args.prompt_len + args.output_len) // BLOCK_SIZE)
+    engine_args.setdefault("num_blocks", batch * blocks_per_seq + 1)
+    config = EngineConfig(
+        model=str(model), load_format="dummy", device=args.device, max_num_seqs=batch,
+        seed=args.seed, **engine_args,
+    )  # fmt: skip
+    core = EngineCore(config)
+    timer = PhaseTimer(core.device)
+    instrument(core, timer)
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(args.vocab - 1) for _ in range(args.prompt_len)]
+        core.add_request(EngineCoreRequest(str(i), prompt, time.monotonic(), params))
+    steps = []
+    while core.has_unfinished_requests():
+        timer.totals.clear()
+        timer.sync()
+        start = time.perf_counter()
+        outputs = core.step()
+        timer.sync()
+        wall = time.perf_counter() - start
+        tokens = sum(len(s.new_token_ids) for o in outputs.outputs for s in o.samples)
+        if tokens != batch:
+            continue
+        phases = {p: timer.totals.get(p, 0.0) for p in PHASES}
+        phases["execute"] -= phases["forward"]
+        phases["outputs"] = wall - timer.totals["schedule"] - timer.totals["execute"]
+        phases["outputs"] -= timer.totals["update"]
+        steps.append({"step": wall, **phases})
+    return steps
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict]:
+    """Per batch size: medians over every steady step of --repeats runs (after a warm-up)."""
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp)
+        write_model(model, args)
+        run_batch(model, min(args.batch_sizes), args)  # warm-up: allocator, lazy imports
+        for batch in args.batch_sizes:
+            steps = [s for _ in range(args.repeats) for s in run_batch(model, batch, args)]
+            median = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+            results[str(batch)] = {
+                "steady_steps": len(steps),
+                "tokens_per_s": batch / median["step"],
+                "step_ms": median["step"] * 1e3,
+                "forward_ms": median["forward"] * 1e3,
+                "host_us_per_token": (median["step"] - median["forward"]) / batch * 1e6,
+                "phases_ms": {p: median[p] * 1e3 for p in PHASES},
+            }
+    return results
+
+
+def git_commit(root: Path) -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def measure_before(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
+    """This script's measurements run against another checkout's `octavo` package."""
+    flags = [a for a in argv if a not in ("--measure-only",)]
+    if "--before-root" in flags:
+        at = flags.index("--before-root")
+        del flags[at : at + 2]
+    env = {**os.environ, "PYTHONPATH": str(args.before_root.resolve())}
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *flags, "--measure-only"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return json.loads(out.splitlines()[-1])
+
+
+def print_table(name: str, results: dict[str, dict]) -> None:
+    for batch, r in results.items():
+        phases = " ".join(f"{p} {v:.2f}" for p, v in r["phases_ms"].items())
+        print(
+            f"{name:>14} batch {batch:>4}: {r['tokens_per_s']:>9,.0f} tok/s, step "
+            f"{r['step_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms, host "
+            f"{r['host_us_per_token']:.1f} us/token | ms: {phases}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.measure_only:
+        print(json.dumps(measure(args)))
+        return 0
+    here = Path(__file__).resolve().parents[1]
+    result: dict = {
+        "benchmark": "host_overhead",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "torch_threads": torch.get_num_threads(), "device": args.device},
+        "workload": {
+            "model": f"{args.layers}x{args.hidden} GPT-2, {args.heads} heads, vocab "
+            f"{args.vocab}, dummy weights",
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "engine_args": json.loads(args.engine_args),
+            "repeats": args.repeats,
+        },
+        "systems": {},
+    }  # fmt: skip
+    runs = [(f"octavo@{git_commit(here)}", lambda: measure(args))]
+    if args.before_root is not None:
+        name = f"before@{git_commit(args.before_root)}"
+        runs.append((name, lambda: measure_before(args, argv)))
+    for name, run in runs:
+        result["systems"][name] = run()
+        print_table(name, result["systems"][name])
+    if args.result_file is not None:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The core <-> worker boundary of one step: what the scheduler asks the model runner to
+compute (`SchedulerOutput`) and what comes back (`ModelRunnerOutput`).
+
+The worker reads only the fields documented as its own: token ids, positions, block tables
+and, per sampling row, the request's parameters. It never touches the BlockManager. Every row
+of a runner output names the sequence it belongs to, so the scheduler applies results by
+name instead of recounting rows in the runner's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from octavo.engine.core.sequence import Sequence, SequenceGroup
+from octavo.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRequest:
+    """One row of logits to sample: the sequence that receives the token and its request's
+    parameters (the sampler reads its generator, output count and tokens for penalties)."""
+
+    params: SamplingParams
+    seq: Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's work in a step: tokens [start, start + num_new_tokens) of `token_ids`.
+
+    Worker fields: `seq_id`, `token_ids` (the sequence's list, read-only), `start`,
+    `num_new_tokens`, `block_table` (the BlockManager's table of the sequence, read-only and
+    valid for this step), `samples` (the rows sampled from the last computed position: `seq`
+    itself, or `seq` and the children forked from it this step -- an n > 1 prompt is computed
+    once and sampled n times) and `beam_top_k` (> 0: the position feeds beam search, which
+    needs this many best next tokens). Core fields: `group`, `seq`.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+    samples: list[SamplingRequest]
+    beam_top_k: int
+    group: SequenceGroup
+    seq: Sequence
+
+    @property
+    def sample_seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.samples]
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan: sequences with one query token come first (the decode fast path).
+
+    `blocks_to_copy`: copy-on-write (src, dst) block pairs to copy before any K/V is stored.
+    `changed_seq_ids`: sequences whose block tables were created or changed since the
+    previous step (the worker rereads those tables; the others it keeps from earlier steps).
+    `freed_seq_ids`: sequences whose blocks were freed since the previous step (finished,
+    aborted, preempted, pruned beams): the worker drops their rows first.
+    """
+
+    scheduled: list[ScheduledSequence]
+    blocks_to_copy: list[tuple[int, int]]
+    changed_seq_ids: set[int] = field(default_factory=set)
+    freed_seq_ids: list[int] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the sampled token, its log-probability, and the top-N map when requested."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class BeamCandidates:
+    """Per beam-search row, its `k` most likely next tokens, best first, on the host.
+
+    Adding a beam's running score does not reorder its own tokens, so the best candidates
+    over all beams of a group are among each beam's top `k` whenever `k` is at least the
+    group's candidates per step plus its stop tokens (which min_tokens may mask out). The
+    runner reduces on the device and moves only these [rows, k] tensors, not [rows, vocab].
+    """
+
+    logprobs: torch.Tensor  # float32 [num_beam_rows, k], log_softmax of the logits
+    token_ids: torch.Tensor  # int64 [num_beam_rows, k]
+
+    def rows(self, index: list[int]) -> BeamCandidates:
+        return BeamCandidates(self.logprobs[index], self.token_ids[index])
+
+
+@dataclass
+class ModelRunnerOutput:
+    """A step's results. Row i of `sampled` is the token of sequence `sampled_seq_ids[i]`;
+    row j of `beam_candidates` holds the best next tokens of beam `beam_seq_ids[j]` (beam
+    search ranks candidates across a group's beams itself)."""
+
+    sampled_seq_ids: list[int]
+    sampled: SamplerOutput
+    beam_seq_ids: list[int] = field(default_factory=list)
+    beam_candidates: BeamCandidates | None = None
