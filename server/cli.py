@@ -20,7 +20,7 @@ import uvicorn
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.config import EngineConfig
 from octavo.engine.heap import freeze_startup_heap
-from octavo.engine.models.weights import load_model_config
+from octavo.engine.worker.models.weights import load_model_config
 from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
 
 # The tiny GPT-2 trained on Python's reference text (tools/train_default_model.py).
