@@ -29,7 +29,7 @@ Metrics per configuration:
     both systems share both numerators, so both ratios equal octavo tok/s / hf tok/s;
   * KV bytes copied per step, averaged over the max_tokens generation steps of the batch:
       - Octavo: the copy-on-write pairs of every engine step (`scheduler_output.blocks_to_copy`,
-        recorded by wrapping `llm.engine.runner.execute` on the instance), each moving one
+        recorded by wrapping `llm.engine.runner.execute_async` on the instance), each moving one
         block of every layer's K and V = `ModelRunner.kv_bytes_per_block(...)` bytes; total
         over the run / max_tokens (also kept: per engine step, and the largest step);
       - HF: after each of the max_tokens steps its beam search calls
@@ -292,7 +292,7 @@ def finish_timing(result: SystemResult, outputs: list[list[int]], cfg: Config) -
 
 
 class StepRecorder:
-    """Wraps `llm.engine.runner.execute` (instance attribute) to record, per engine step, the
+    """Wraps `llm.engine.runner.execute_async` (instance attribute) to record, per engine step, the
     copy-on-write pairs copied and the KV blocks in use."""
 
     def __init__(self, llm: LLM):
@@ -300,7 +300,7 @@ class StepRecorder:
         self.copies: list[int] = []
         self.blocks_in_use: list[int] = []
         runner = llm.engine.runner
-        inner = runner.execute
+        inner = runner.execute_async
 
         def execute(scheduler_output):
             bm = self.block_manager
@@ -308,7 +308,7 @@ class StepRecorder:
             self.blocks_in_use.append(bm.num_usable_blocks - bm.num_free_blocks)
             return inner(scheduler_output)
 
-        runner.execute = execute
+        runner.execute_async = execute
 
     def reset(self) -> None:
         self.copies.clear()

@@ -8,7 +8,7 @@ inside it the phases, by wrapping the core's own objects for the run (nothing is
 in the engine for this):
 
   schedule   scheduler.schedule()          forward   runner.model forward + compute_logits
-  execute    runner.execute() - forward    update    scheduler.update()
+  execute    launching the step - forward  update    scheduler.update()
   sample     runner.sampler(...)           (inside execute)
   outputs    step() - schedule - execute - update (building the step's outputs)
 
@@ -107,7 +107,9 @@ def instrument(core: EngineCore, timer: PhaseTimer) -> None:
     scheduler, runner = core.scheduler, core.runner
     scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
     scheduler.update = timer.wrap("update", scheduler.update)
-    runner.execute = timer.wrap("execute", runner.execute)
+    # Checkouts before async scheduling had one blocking `execute`.
+    launch = "execute_async" if hasattr(runner, "execute_async") else "execute"
+    setattr(runner, launch, timer.wrap("execute", getattr(runner, launch)))
     model = runner.model
     model.forward = timer.wrap("forward", model.forward)
     model.compute_logits = timer.wrap("forward", model.compute_logits)

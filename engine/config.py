@@ -70,6 +70,12 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never replay decode steps from CUDA graphs"}
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={"help": "schedule each step while the previous one runs; its tokens reach "
+                  "the next step on the device and the host one step later (off for beam "
+                  "search and penalties, which need every token first)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

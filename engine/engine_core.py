@@ -31,10 +31,11 @@ from octavo.engine.core_messages import (
 )
 from octavo.engine.errors import ParameterError
 from octavo.engine.sampling_params import BeamSearchParams
+from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
 from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
-from octavo.engine.worker.model_runner import ModelRunner, profile_activation_bytes
+from octavo.engine.worker.model_runner import ModelRunner, StepFuture, profile_activation_bytes
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.models.weights import load_model
 from octavo.engine.worker.sampler import Sampler
@@ -123,6 +124,11 @@ class EngineCore:
         )
         self._groups: dict[str, SequenceGroup] = {}
         self._num_requests_added = 0
+        # Async scheduling: the step launched last, applied after the next one is launched.
+        self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
+        # Requests that need every token on the host before their next step is scheduled
+        # (beam search, penalties): while one runs, steps are applied before the next.
+        self._sync_only: set[str] = set()
 
     def _default_num_blocks(
         self, model: GPT2LMHeadModel, backend: AttentionBackend, dtype: torch.dtype
@@ -171,6 +177,8 @@ class EngineCore:
         seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids, group.generators[0])
         group.seqs.append(seq)
         self._groups[request.request_id] = group
+        if group.beam is not None or group.sampling.has_penalties:
+            self._sync_only.add(request.request_id)
         self.scheduler.add(group)
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
@@ -178,6 +186,7 @@ class EngineCore:
         a beam search reports its live beams), or None if unknown."""
         group = self.scheduler.abort(request_id)
         self._groups.pop(request_id, None)
+        self._sync_only.discard(request_id)
         return None if group is None else self._final_output(group, [])
 
     def abort_sample(self, request_id: str, index: int) -> None:
@@ -185,6 +194,7 @@ class EngineCore:
         group = self.scheduler.abort_sample(request_id, index)
         if group is not None:
             del self._groups[request_id]
+            self._sync_only.discard(request_id)
 
     def apply(self, inputs: EngineCoreInputs) -> list[EngineCoreOutput]:
         """Applies what the front end sent, in order: adds, aborts, sample aborts. Returns
@@ -205,7 +215,7 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def run_busy_loop(
         self,
@@ -234,16 +244,34 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """Schedules, runs and applies one step; the outputs of requests that progressed."""
+        """Schedules and launches one step and applies one: the same step, or with
+        `async_scheduling` the one launched before (scheduled one step ahead, its tokens fed
+        to this step on the device). Returns the outputs of requests that progressed."""
+        outputs: list[EngineCoreOutput] = []
+        lag = self.config.async_scheduling and not self._sync_only
+        if self._in_flight is not None and not lag:  # a beam search or penalties came in
+            outputs += self._apply_step(*self._in_flight)
+            self._in_flight = None
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return EngineCoreOutputs([], self.stats())
-        result = self.runner.execute(scheduled)
+        launched = None if scheduled.is_empty else self.runner.execute_async(scheduled)
+        if self._in_flight is not None:  # the previous step, applied while this one runs
+            outputs += self._apply_step(*self._in_flight)
+        self._in_flight = None if launched is None else (scheduled, launched)
+        if self._in_flight is not None and not lag:
+            outputs += self._apply_step(*self._in_flight)
+            self._in_flight = None
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def _apply_step(
+        self, scheduled: SchedulerOutput, launched: StepFuture
+    ) -> list[EngineCoreOutput]:
+        """Applies a step's results; the outputs of the requests that progressed."""
         outputs = []
-        for group, seqs in self.scheduler.update(scheduled, result):
+        for group, seqs in self.scheduler.update(scheduled, launched.result()):
             samples = [] if group.error is not None else [_delta(seq) for seq in seqs]
             if group.is_finished:
                 del self._groups[group.request_id]
+                self._sync_only.discard(group.request_id)
                 outputs.append(self._final_output(group, samples))
             elif samples:
                 first = any(len(s.token_ids) - len(s.prompt_token_ids) == 1 for s in seqs)
@@ -251,7 +279,7 @@ class EngineCore:
                 outputs.append(
                     EngineCoreOutput(group.request_id, samples, False, None, None, scheduled_time)
                 )
-        return EngineCoreOutputs(outputs, self.stats())
+        return outputs
 
     def _final_output(self, group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
         """A finished request's last output: this step's samples, an "abort"/"error" end for

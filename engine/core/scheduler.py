@@ -128,14 +128,18 @@ class Scheduler:
                 seq = seqs[0]
                 start = seq.num_computed_tokens
                 table = tables.get(seq.seq_id)
+                if seq.num_pending_tokens and self._ends_pending(group, seq):
+                    index += 1  # its pending token is its last: nothing more to compute
+                    continue
                 if (
-                    len(seq.token_ids) - start == 1
+                    len(seq.token_ids) + seq.num_pending_tokens - start == 1
                     and table is not None
                     and start // block_size < len(table)
                     and ref_counts[table[start // block_size]] == 1
                     and not group.needs_fork
                 ):
                     seq.num_computed_tokens = start + 1
+                    seq.num_pending_tokens += 1
                     decodes.append(
                         ScheduledSequence(
                             seq.seq_id, seq.token_ids, start, 1, table,
@@ -170,6 +174,8 @@ class Scheduler:
             seqs = group.unfinished_seqs
             if num_seqs + max(len(seqs), group.sampling_params.n) > self.config.max_num_seqs:
                 break
+            if any(seq.num_pending_tokens for seq in seqs):
+                break  # preempted with a token in flight: recomputed once it has arrived
             plan = self._plan(group, budget)
             if not self._fits(plan):
                 break
@@ -203,7 +209,9 @@ class Scheduler:
             return False
         bm = self.block_manager
         for seq in seqs:
-            if len(seq.token_ids) - seq.num_computed_tokens != 1 or not bm.has_slot_in_place(seq):
+            if seq.num_uncomputed_tokens != 1 or not bm.has_slot_in_place(seq):
+                return False
+            if seq.num_pending_tokens and self._ends_pending(group, seq):
                 return False
         beam = group.beam
         top_k = 0 if beam is None else beam.candidates_needed
@@ -213,6 +221,7 @@ class Scheduler:
             start = seq.num_computed_tokens
             seq.num_computed_tokens = start + 1
             samples = [] if beam is not None else [SamplingRequest(params, seq)]  # type: ignore[arg-type]
+            seq.num_pending_tokens += len(samples)
             decodes.append(
                 ScheduledSequence(
                     seq.seq_id, seq.token_ids, start, 1, tables[seq.seq_id], samples, top_k,
@@ -221,12 +230,23 @@ class Scheduler:
             )  # fmt: skip
         return True
 
+    def _ends_pending(self, group: SequenceGroup, seq: Sequence) -> bool:
+        """True when the pending tokens of `seq` already bring it to max_tokens or
+        max_model_len: it will finish on them, so computing past them would be waste (and
+        past max_model_len, positions the model does not have)."""
+        num_tokens = len(seq.token_ids) + seq.num_pending_tokens
+        if num_tokens >= self.stop_checker.max_model_len:
+            return True
+        return num_tokens - len(seq.prompt_token_ids) >= group.sampling_params.max_tokens
+
     def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """How many tokens each unfinished sequence of `group` computes within `budget`."""
         if group.beam is not None and len(group.unfinished_seqs) > 1:
             return self._plan_beams(group, budget)
         plan = []
         for seq in group.unfinished_seqs:
+            if seq.num_pending_tokens and self._ends_pending(group, seq):
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 break
@@ -277,7 +297,7 @@ class Scheduler:
             seq.num_computed_tokens = start + num_new
             samples: list[SamplingRequest] = []
             top_k = 0
-            if seq.num_computed_tokens == len(seq.token_ids):
+            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending_tokens:
                 if beam is not None:
                     top_k = beam.candidates_needed
                 else:
@@ -285,6 +305,8 @@ class Scheduler:
                     samples.append(SamplingRequest(params, seq))
                     if group.needs_fork:
                         samples += [SamplingRequest(params, c) for c in self._fork(group, seq)]
+                    for request in samples:
+                        request.seq.num_pending_tokens += 1
             elif beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
                 self._share_recomputed_prompt(group, seq)
             item = ScheduledSequence(
@@ -350,11 +372,12 @@ class Scheduler:
             strict=True,
         ):  # fmt: skip
             group, seq = targets[seq_id]
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:  # a token sampled past a stop, an abort or a failure
+                continue
             entry = updated.get(id(group))
             if entry is None:
                 entry = updated[id(group)] = (group, [])
-            if group.error is not None:  # failed earlier in this step
-                continue
             try:
                 seq.token_ids.append(token_id)
                 seq.cumulative_logprob += logprob
@@ -382,6 +405,8 @@ class Scheduler:
         if any_finished:
             self.running = [g for g in self.running if not g.is_finished]
             self._num_running_seqs = None
+            if any(g.is_finished for g in self.waiting):  # preempted, finished by a late token
+                self.waiting = deque(g for g in self.waiting if not g.is_finished)
         return list(updated.values())
 
     def _beam_step(

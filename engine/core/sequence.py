@@ -43,10 +43,13 @@ _FINISH_REASONS = {
 class Sequence:
     """One token stream: the prompt plus what has been generated for it.
 
-    `num_computed_tokens` counts the tokens whose K/V are in the cache; the tokens after it are
-    what the next step must compute (a prefill chunk, or the one decode token). Preemption by
-    recompute resets it to 0 and keeps the tokens. `index` is the sample's place among its
-    request's outputs (fixed at creation: the n samples are 0..n-1).
+    `num_computed_tokens` counts the tokens whose K/V are in the cache (or will be once the
+    steps already scheduled have run); the tokens after it are what the next step must compute
+    (a prefill chunk, or the one decode token). Preemption by recompute resets it to 0 and
+    keeps the tokens. `num_pending_tokens` counts tokens sampled by scheduled steps whose
+    values the core has not received yet: with async scheduling, a decode is scheduled for
+    the pending token (the worker feeds it from the device). `index` is the sample's place
+    among its request's outputs (fixed at creation: the n samples are 0..n-1).
     """
 
     seq_id: int
@@ -55,6 +58,7 @@ class Sequence:
     index: int = 0
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
     # {token_id: logprob} of the newest token and its top alternatives, when asked for: the
@@ -83,7 +87,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from octavo.engine.worker.attention.backend import AttentionMetadata
-from octavo.engine.worker.input_batch import HostBatch
+from octavo.engine.worker.input_batch import HostBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.kernels.paged_attention import choose_num_splits, num_sms
 
@@ -171,12 +171,15 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Logits [batch.num_seqs, vocab] of a decode-only batch (`batch.is_graph_decode`).
-        The result is a view of graph memory, valid until the next replay."""
+    def run(self, batch: HostBatch, pending: PendingInputs | None = None) -> torch.Tensor:
+        """Logits [batch.num_seqs, vocab] of a decode-only batch (`batch.is_graph_decode`),
+        its unknown input tokens filled in on the device from `pending`. The result is a
+        view of graph memory, valid until the next replay."""
         size = self.buffers.load(
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.seq_lens,
         )  # fmt: skip
+        if pending is not None:
+            self.buffers.tokens[0].index_copy_(0, pending.rows, pending.tokens)
         self.graphs[size].replay()
         return self.logits[size][: batch.num_seqs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from octavo.engine.step_io import SamplingRequest, SchedulerOutput
 
@@ -22,6 +23,9 @@ class HostBatch:
     [S, max blocks of the step] (unused entries hold stale or null ids: kernels never read
     past seq_len). `logits_rows` are the token indices whose logits are needed: first one per
     sampling row (`requests`, `sampled_seq_ids`), then one per beam row (`beam_seq_ids`).
+    `pending_rows` are the token indices whose input token the host does not know yet (async
+    scheduling: sampled by the previous step, of sequences `pending_seq_ids`); input_ids holds
+    0 there until the runner fills them in on the device.
     """
 
     input_ids: np.ndarray
@@ -37,6 +41,8 @@ class HostBatch:
     beam_seq_ids: list[int]
     beam_top_k: int  # candidates per beam row: the most any beam group of the step needs
     num_decodes: int  # leading sequences with one query token
+    pending_rows: np.ndarray
+    pending_seq_ids: list[int]
 
     @property
     def num_seqs(self) -> int:
@@ -52,6 +58,15 @@ class HostBatch:
             and len(self.logits_rows) == num_seqs
             and bool((self.logits_rows == np.arange(num_seqs)).all())
         )
+
+
+@dataclass
+class PendingInputs:
+    """Input tokens the host does not know yet: token indices `rows` of this step take
+    `tokens` (both on the device), sampled by the previous step."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
 
 
 class InputBatch:
@@ -108,6 +123,8 @@ class InputBatch:
         requests: list[SamplingRequest] = []
         sampled_seq_ids: list[int] = []
         beam_seq_ids: list[int] = []
+        pending_rows: list[int] = []
+        pending_seq_ids: list[int] = []
         beam_top_k = num_decodes = num_tokens = 0
         for item in output.scheduled:
             seq_id = item.seq_id
@@ -125,7 +142,12 @@ class InputBatch:
             counts.append(count)
             if count == 1:
                 num_decodes += 1
-                input_ids.append(item.token_ids[start])
+                if start < len(item.token_ids):
+                    input_ids.append(item.token_ids[start])
+                else:  # the token the previous step sampled: still on the device
+                    pending_rows.append(num_tokens)
+                    pending_seq_ids.append(seq_id)
+                    input_ids.append(0)
             else:
                 input_ids.extend(item.token_ids[start : start + count])
             num_tokens += count
@@ -168,4 +190,6 @@ class InputBatch:
             beam_seq_ids=beam_seq_ids,
             beam_top_k=beam_top_k,
             num_decodes=num_decodes,
+            pending_rows=np.array(pending_rows, dtype=np.int64),
+            pending_seq_ids=pending_seq_ids,
         )

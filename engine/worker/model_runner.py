@@ -13,9 +13,49 @@ from octavo.engine.step_io import (
 )
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
-from octavo.engine.worker.input_batch import HostBatch, InputBatch
+from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
-from octavo.engine.worker.sampler import Sampler
+from octavo.engine.worker.sampler import SampledTokens, Sampler
+
+
+class StepFuture:
+    """A launched step's results. On CUDA the sampled tensors are copied to pinned host
+    memory without blocking and an event marks the copies' end: `result()` waits on that
+    event alone, so the host can schedule the next step meanwhile."""
+
+    def __init__(
+        self,
+        sampled_seq_ids: list[int],
+        sampled: SampledTokens | None,
+        beam_seq_ids: list[int],
+        candidates: tuple[torch.Tensor, torch.Tensor] | None,
+    ):
+        self.sampled_seq_ids = sampled_seq_ids
+        self.beam_seq_ids = beam_seq_ids
+        tensors = [] if sampled is None else sampled.tensors
+        num_sampled = len(tensors)
+        tensors += [] if candidates is None else list(candidates)
+        self._event = None
+        if tensors and tensors[0].device.type == "cuda":
+            host = []
+            for tensor in tensors:
+                pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.append(pinned.copy_(tensor, non_blocking=True))
+            tensors = host
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._sampled = None if sampled is None else sampled.with_tensors(tensors[:num_sampled])
+        self._candidates = tensors[num_sampled:]
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        sampled = SamplerOutput([], [], []) if self._sampled is None else self._sampled.to_host()
+        candidates = None
+        if self._candidates:
+            values, token_ids = self._candidates
+            candidates = BeamCandidates(values, token_ids)
+        return ModelRunnerOutput(self.sampled_seq_ids, sampled, self.beam_seq_ids, candidates)
 
 
 class ModelRunner:
@@ -54,6 +94,8 @@ class ModelRunner:
         )
         self.kv_cache[:, :, 0].zero_()
         self.graphs: CUDAGraphRunner | None = None
+        # The previous step's sampled tokens (device) and the sequence of each row.
+        self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
         self._pinned: dict[str, torch.Tensor] = {}  # CUDA: staging buffer per input kind
         # Recorded after a step's copies: the next step waits on it before refilling the
         # pinned buffers, which a copy still in flight may be reading.
@@ -71,8 +113,15 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step and waits for its results."""
+        return self.execute_async(output).result()
+
+    @torch.inference_mode()
+    def execute_async(self, output: SchedulerOutput) -> StepFuture:
+        """Launches one step; its results are read on the host when asked for (on CUDA the
+        host goes on while the device works). A decode whose input token the previous step
+        sampled takes it from that step's device tensor: no host round trip."""
         if self._copied is not None:
             self._copied.synchronize()
         if output.blocks_to_copy:
@@ -80,33 +129,50 @@ class ModelRunner:
             pairs = np.array(output.blocks_to_copy, dtype=np.int64)
             self.backend.copy_blocks(self.kv_cache, self._to_device("copies", pairs))
         batch = self.input_batch.prepare(output)
+        pending = self._pending_inputs(batch)
         if not len(batch.logits_rows):
-            self._forward(batch)  # a step of prefill chunks that sample nothing yet
-            return ModelRunnerOutput([], SamplerOutput([], [], []))
+            self._forward(batch, pending)  # a step of prefill chunks that sample nothing yet
+            self._last_sampled = None
+            return StepFuture([], None, [], None)
         graph_decode = batch.is_graph_decode
         if (
             self.graphs is not None
             and graph_decode
             and batch.num_seqs <= self.graphs.max_batch_size
         ):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, pending)
         else:
-            hidden = self._forward(batch)
+            hidden = self._forward(batch, pending)
             if not graph_decode:  # every row's logits, in order, need no gather
                 hidden = hidden[self._to_device("logits_rows", batch.logits_rows)]
             logits = self.model.compute_logits(hidden)
         num_sampled = len(batch.requests)
-        sampled = SamplerOutput([], [], [])
+        sampled = None
         if batch.requests:
             sampled = self.sampler(logits[:num_sampled], batch.requests)
+            self._last_sampled = (sampled.token_ids, batch.sampled_seq_ids)
+        else:
+            self._last_sampled = None
         candidates = None
         if batch.beam_seq_ids:
             logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
-            values, token_ids = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
-            candidates = BeamCandidates(values.cpu(), token_ids.cpu())
-        return ModelRunnerOutput(batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates)
+            candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
+        return StepFuture(batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates)
 
-    def _forward(self, batch: HostBatch) -> torch.Tensor:
+    def _pending_inputs(self, batch: HostBatch) -> PendingInputs | None:
+        """Where the step's unknown input tokens go and where the previous step left them."""
+        if not batch.pending_seq_ids:
+            return None
+        assert self._last_sampled is not None, "a pending input token but no previous sample"
+        tokens, seq_ids = self._last_sampled
+        row_of = {seq_id: row for row, seq_id in enumerate(seq_ids)}
+        sources = np.array([row_of[s] for s in batch.pending_seq_ids], dtype=np.int64)
+        return PendingInputs(
+            self._to_device("pending_rows", batch.pending_rows),
+            tokens[self._to_device("pending_sources", sources)],
+        )
+
+    def _forward(self, batch: HostBatch, pending: PendingInputs | None) -> torch.Tensor:
         metadata = AttentionMetadata(
             slot_mapping=self._to_device("slot_mapping", batch.slot_mapping),
             block_tables=self._to_device("block_tables", batch.block_tables),
@@ -118,8 +184,11 @@ class ModelRunner:
             seq_lens_host=batch.seq_lens.tolist(),
             query_lens_host=batch.query_lens.tolist(),
         )
+        input_ids = self._to_device("input_ids", batch.input_ids)
+        if pending is not None:
+            input_ids = input_ids.index_copy(0, pending.rows, pending.tokens)
         return self.model(
-            self._to_device("input_ids", batch.input_ids),
+            input_ids,
             self._to_device("positions", batch.positions),
             self.kv_cache,
             self.backend.prepare(metadata),

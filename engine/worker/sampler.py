@@ -2,9 +2,59 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from octavo.engine.step_io import SamplerOutput, SamplingRequest
+
+
+@dataclass
+class SampledTokens:
+    """A batch's sampled tokens where the sampler computed them (the device), one row per
+    request: token_ids int64 [R] and their model log-probabilities float32 [R]; with
+    logprobs asked for, each row's best tokens (top_values / top_ids [R, K], K the most any
+    row asked for) and `num_top`, per row the number asked for (None: not asked)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    num_top: list[int | None] | None = None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for t in (self.token_ids, self.logprobs, self.top_values, self.top_ids)
+            if t is not None
+        ]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> SampledTokens:
+        """The same results over other copies of `tensors` (host copies, in order)."""
+        token_ids, logprobs, *top = tensors
+        if not top:
+            return SampledTokens(token_ids, logprobs)
+        top_values, top_ids = top
+        return SampledTokens(token_ids, logprobs, top_values, top_ids, self.num_top)
+
+    def to_host(self) -> SamplerOutput:
+        """Lists and per-row {token_id: logprob} maps (the sampled token first); a sync point
+        on a device."""
+        token_ids = self.token_ids.tolist()
+        logprobs = self.logprobs.tolist()
+        top: list[dict[int, float] | None] = [None] * len(token_ids)
+        if self.num_top is not None:
+            assert self.top_values is not None and self.top_ids is not None
+            values, ids = self.top_values.tolist(), self.top_ids.tolist()
+            for i, n in enumerate(self.num_top):
+                if n is None:
+                    continue
+                entry = {token_ids[i]: logprobs[i]}
+                for token, value in zip(ids[i][:n], values[i][:n], strict=True):
+                    entry.setdefault(token, value)
+                top[i] = entry
+        return SamplerOutput(token_ids, logprobs, top)
 
 
 class Sampler:
@@ -22,10 +72,14 @@ class Sampler:
         self.eos_token_id = eos_token_id
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
-        """logits: [num_rows, vocab] float32, one row per request."""
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SampledTokens:
+        """logits: [num_rows, vocab] float32, one row per request. Nothing here waits for the
+        device: the results stay where they were computed until `SampledTokens.to_host`."""
         if all(r.params.is_plain_greedy for r in requests):
-            return self._greedy(logits, len(requests))
+            # The fast path: the argmax and its log-probability, without materializing
+            # log_softmax over the vocabulary.
+            values, token_ids = logits.max(dim=-1)
+            return SampledTokens(token_ids, values - logits.logsumexp(dim=-1))
         logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._process(logits, requests)
         sampled = logits.argmax(dim=-1)
@@ -33,18 +87,13 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sampled[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
-        token_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)
-        token_ids = sampled.tolist()
-        top = self._top_logprobs(logprobs, token_ids, token_logprobs, requests)
-        return SamplerOutput(token_ids, token_logprobs.tolist(), top)
-
-    @staticmethod
-    def _greedy(logits: torch.Tensor, num_rows: int) -> SamplerOutput:
-        """The fast path of rows that are greedy and need nothing else: the argmax and its
-        log-probability, without materializing log_softmax over the vocabulary."""
-        token_ids = logits.argmax(dim=-1)
-        logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
-        return SamplerOutput(token_ids.tolist(), logprobs.tolist(), [None] * num_rows)
+        out = SampledTokens(sampled, logprobs.gather(1, sampled[:, None]).squeeze(1))
+        num_top = [r.params.logprobs for r in requests]
+        k = max((n for n in num_top if n is not None), default=None)
+        if k is not None:
+            out.top_values, out.top_ids = logprobs.topk(k, dim=-1)
+            out.num_top = num_top
+        return out
 
     def _process(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
         """Applies penalties and the min_tokens mask, copying `logits` only when needed."""
@@ -62,7 +111,10 @@ class Sampler:
     def _min_tokens_mask(self, request: SamplingRequest) -> list[int]:
         """Token ids that may not be drawn yet because min_tokens is not reached."""
         params = request.params
-        if request.seq.num_output_tokens >= params.min_tokens:
+        # Outputs before this one: those known, plus those sampled before it and still in
+        # flight (async scheduling); this row's own token is one of the pending ones.
+        seq = request.seq
+        if seq.num_output_tokens + seq.num_pending_tokens - 1 >= params.min_tokens:
             return []
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos and self.eos_token_id is not None:
@@ -87,25 +139,6 @@ class Sampler:
             if request.seq.generator is not None:
                 noise[i].exponential_(generator=request.seq.generator)
         return (probs / noise).argmax(dim=-1)
-
-    @staticmethod
-    def _top_logprobs(
-        logprobs: torch.Tensor,
-        token_ids: list[int],
-        token_logprobs: torch.Tensor,
-        requests: list[SamplingRequest],
-    ) -> list[dict[int, float] | None]:
-        out: list[dict[int, float] | None] = [None] * len(requests)
-        for i, request in enumerate(requests):
-            n = request.params.logprobs
-            if n is None:
-                continue
-            values, ids = logprobs[i].topk(n) if n > 0 else (logprobs[i][:0], logprobs[i][:0])
-            entry = {token_ids[i]: float(token_logprobs[i])}
-            for token, value in zip(ids.tolist(), values.tolist(), strict=True):
-                entry.setdefault(int(token), value)
-            out[i] = entry
-        return out
 
 
 def apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Tensor:

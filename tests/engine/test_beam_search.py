@@ -96,8 +96,15 @@ def test_the_oracle_cases_cover_the_grid(cases, expected):
     [
         {"num_blocks": 4096, "block_size": 8},
         {"num_blocks": 300, "block_size": 4, "max_num_batched_tokens": 512},
+        # Beams need every token first: the engine applies each step before the next.
+        {
+            "num_blocks": 300,
+            "block_size": 4,
+            "max_num_batched_tokens": 512,
+            "async_scheduling": True,
+        },
     ],
-    ids=["roomy", "preempting"],
+    ids=["roomy", "preempting", "preempting_async_scheduling"],
 )
 def test_beam_search_equals_transformers(eos_model_dir, hf_eos, cases, expected, engine_kwargs):
     engine = LLMEngine(EngineConfig(model=eos_model_dir, device="cpu", **engine_kwargs))
@@ -151,13 +158,13 @@ def test_block_accounting_of_forking_beams(eos_model_dir, hf_eos):
     )
     bm = engine.block_manager
     copies_per_step: list[int] = []
-    execute = engine.runner.execute
+    execute = engine.runner.execute_async
 
     def recording_execute(output):
         copies_per_step.append(len(output.blocks_to_copy))
         return execute(output)
 
-    engine.runner.execute = recording_execute
+    engine.runner.execute_async = recording_execute
     prompt = sample_prompts(1, 37, 37, hf_eos.config.vocab_size, seed=2)[0]
     params = BeamSearchParams(beam_width=width, max_tokens=30, ignore_eos=True)
     engine.add_request("beams", prompt, params)

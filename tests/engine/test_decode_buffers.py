@@ -7,7 +7,7 @@ import torch
 
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams
 from octavo.engine.worker.cuda_graphs import DecodeInputBuffers, forward_bucket
-from octavo.engine.worker.input_batch import HostBatch
+from octavo.engine.worker.input_batch import HostBatch, PendingInputs
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 
@@ -34,11 +34,13 @@ class EagerBucketReplay:
     def max_batch_size(self) -> int:
         return self.buffers.max_batch_size
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
+    def run(self, batch: HostBatch, pending: PendingInputs | None = None) -> torch.Tensor:
         size = self.buffers.load(
             batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
             batch.seq_lens,
         )  # fmt: skip
+        if pending is not None:
+            self.buffers.tokens[0].index_copy_(0, pending.rows, pending.tokens)
         self.replays.append((batch.num_seqs, size))
         return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: batch.num_seqs]
 

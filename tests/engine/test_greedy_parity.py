@@ -20,8 +20,15 @@ def expected(hf_tiny, prompts):
     return [hf_greedy(hf_tiny, p, MAX_TOKENS) for p in prompts]
 
 
-def engine_for(model_dir, **overrides) -> LLMEngine:
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+def async_scheduling(request) -> bool:
+    """Every parity test also runs one step ahead: tokens reach the host a step late."""
+    return request.param
+
+
+def engine_for(model_dir, async_scheduling: bool, **overrides) -> LLMEngine:
     config = {
+        "async_scheduling": async_scheduling,
         "model": model_dir,
         "device": "cpu",
         "dtype": "float32",
@@ -41,8 +48,8 @@ def check(outputs, expected):
     assert reasons <= {"stop", "length"}
 
 
-def test_batched_greedy_equals_hf_alone(tiny_model_dir, prompts, expected):
-    engine = engine_for(tiny_model_dir)
+def test_batched_greedy_equals_hf_alone(tiny_model_dir, prompts, expected, async_scheduling):
+    engine = engine_for(tiny_model_dir, async_scheduling)
     check(
         run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
         expected,
@@ -50,9 +57,12 @@ def test_batched_greedy_equals_hf_alone(tiny_model_dir, prompts, expected):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 32])
-def test_chunked_prefill_under_a_small_token_budget(tiny_model_dir, prompts, expected, block_size):
+def test_chunked_prefill_under_a_small_token_budget(
+    tiny_model_dir, prompts, expected, block_size, async_scheduling
+):
     engine = engine_for(
         tiny_model_dir,
+        async_scheduling,
         max_num_batched_tokens=37,
         block_size=block_size,
         num_blocks=8192 // block_size,
@@ -63,9 +73,13 @@ def test_chunked_prefill_under_a_small_token_budget(tiny_model_dir, prompts, exp
     check(outputs, expected)
 
 
-def test_preemption_by_recompute_changes_no_token(tiny_model_dir, prompts, expected):
+def test_preemption_by_recompute_changes_no_token(
+    tiny_model_dir, prompts, expected, async_scheduling
+):
     # 40 blocks of 8 tokens: one longest request (224 tokens, 28 blocks) fits, all 18 do not.
-    engine = engine_for(tiny_model_dir, num_blocks=40, block_size=8, max_num_batched_tokens=96)
+    engine = engine_for(
+        tiny_model_dir, async_scheduling, num_blocks=40, block_size=8, max_num_batched_tokens=96
+    )
     outputs = run_to_completion(
         engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     )
@@ -73,9 +87,11 @@ def test_preemption_by_recompute_changes_no_token(tiny_model_dir, prompts, expec
     check(outputs, expected)
 
 
-def test_greedy_with_frequent_eos_equals_hf(eos_model_dir, hf_eos, prompts):
+def test_greedy_with_frequent_eos_equals_hf(eos_model_dir, hf_eos, prompts, async_scheduling):
     expected = [hf_greedy(hf_eos, p, MAX_TOKENS) for p in prompts]
-    engine = engine_for(eos_model_dir, num_blocks=40, block_size=8, max_num_batched_tokens=64)
+    engine = engine_for(
+        eos_model_dir, async_scheduling, num_blocks=40, block_size=8, max_num_batched_tokens=64
+    )
     outputs = run_to_completion(
         engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     )

@@ -12,6 +12,12 @@ SEEDED = SamplingParams(
 )
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+def async_scheduling(request) -> bool:
+    """Every engine test here also runs one step ahead: tokens reach the host a step late."""
+    return request.param
+
+
 def make_engine(model_dir, **overrides) -> LLMEngine:
     config = {"model": model_dir, "device": "cpu", "num_blocks": 256, "block_size": 8} | overrides
     return LLMEngine(EngineConfig(**config))
@@ -22,17 +28,23 @@ def prompts(hf_tiny):
     return sample_prompts(8, 3, 90, hf_tiny.config.vocab_size, seed=1)
 
 
-def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir, prompts):
+def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir, prompts, async_scheduling):
     target = prompts[0]
     others = SamplingParams(temperature=1.0, max_tokens=12)
-    alone = run_to_completion(make_engine(tiny_model_dir), [target], SEEDED)[0]
+    alone = run_to_completion(
+        make_engine(tiny_model_dir, async_scheduling=async_scheduling),
+        [target],
+        SEEDED,
+    )[0]
     crowd = run_to_completion(
-        make_engine(tiny_model_dir, seed=5),
+        make_engine(tiny_model_dir, async_scheduling=async_scheduling, seed=5),
         prompts[1:4] + [target] + prompts[4:],
         [others] * 3 + [SEEDED] + [others] * 4,
     )[3]
     chunked = run_to_completion(
-        make_engine(tiny_model_dir, max_num_batched_tokens=7, seed=9),
+        make_engine(
+            tiny_model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=7, seed=9
+        ),
         prompts[::-1],
         [others] * 7 + [SEEDED],
     )[7]
@@ -41,15 +53,15 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir, prompts):
     assert crowd.outputs[0].token_ids == tokens
     assert chunked.outputs[0].token_ids == tokens
     unseeded = run_to_completion(
-        make_engine(tiny_model_dir),
+        make_engine(tiny_model_dir, async_scheduling=async_scheduling),
         [target],
         SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True),
     )
     assert unseeded[0].outputs[0].token_ids != tokens
 
 
-def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir, prompts):
-    engine = make_engine(tiny_model_dir)
+def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir, prompts, async_scheduling):
+    engine = make_engine(tiny_model_dir, async_scheduling=async_scheduling)
     prompt = prompts[2]  # several full blocks plus a partial one
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     engine.add_request("r", prompt, params)
@@ -69,14 +81,18 @@ def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir, prompts):
     samples = [o.token_ids for o in outputs[0].outputs]
     assert len(samples) == 3 and len({tuple(s) for s in samples}) == 3
     assert bm.num_free_blocks == bm.num_usable_blocks
-    again = run_to_completion(make_engine(tiny_model_dir), [prompt], params)[0]
+    again = run_to_completion(
+        make_engine(tiny_model_dir, async_scheduling=async_scheduling),
+        [prompt],
+        params,
+    )[0]
     assert [o.token_ids for o in again.outputs] == samples
 
 
-def test_logprobs_equal_hf_log_softmax(tiny_model_dir, hf_tiny, prompts):
+def test_logprobs_equal_hf_log_softmax(tiny_model_dir, hf_tiny, prompts, async_scheduling):
     prompt = prompts[3]
     out = run_to_completion(
-        make_engine(tiny_model_dir),
+        make_engine(tiny_model_dir, async_scheduling=async_scheduling),
         [prompt],
         SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
     )[0].outputs[0]
@@ -115,8 +131,8 @@ def test_text_prompts_and_stop_strings_end_to_end(tiny_model_dir):
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
 
 
-def test_max_tokens_and_max_model_len_end_with_length(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, max_model_len=30)
+def test_max_tokens_and_max_model_len_end_with_length(tiny_model_dir, async_scheduling):
+    engine = make_engine(tiny_model_dir, async_scheduling=async_scheduling, max_model_len=30)
     outputs = run_to_completion(
         engine,
         [[5] * 25, [6] * 30, [7] * 3],
@@ -126,11 +142,13 @@ def test_max_tokens_and_max_model_len_end_with_length(tiny_model_dir):
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
-def test_eos_stops_and_min_tokens_holds_it_back(eos_model_dir, hf_eos):
+def test_eos_stops_and_min_tokens_holds_it_back(eos_model_dir, hf_eos, async_scheduling):
     eos = hf_eos.config.eos_token_id
     prompts = sample_prompts(12, 2, 40, hf_eos.config.vocab_size, seed=3)
     outputs = run_to_completion(
-        make_engine(eos_model_dir), prompts, SamplingParams(temperature=0, max_tokens=30)
+        make_engine(eos_model_dir, async_scheduling=async_scheduling),
+        prompts,
+        SamplingParams(temperature=0, max_tokens=30),
     )
     stopped = [
         (p, o.outputs[0])
@@ -141,9 +159,17 @@ def test_eos_stops_and_min_tokens_holds_it_back(eos_model_dir, hf_eos):
     prompt, out = stopped[0]
     assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1] and out.stop_reason is None
     forced = SamplingParams(temperature=0, max_tokens=30, min_tokens=len(out.token_ids) + 2)
-    longer = run_to_completion(make_engine(eos_model_dir), [prompt], forced)[0].outputs[0]
+    longer = run_to_completion(
+        make_engine(eos_model_dir, async_scheduling=async_scheduling),
+        [prompt],
+        forced,
+    )[0].outputs[0]
     assert longer.token_ids[: len(out.token_ids) - 1] == out.token_ids[:-1]
     assert eos not in longer.token_ids[: len(out.token_ids) + 2]
     ignoring = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    full = run_to_completion(make_engine(eos_model_dir), [prompt], ignoring)[0].outputs[0]
+    full = run_to_completion(
+        make_engine(eos_model_dir, async_scheduling=async_scheduling),
+        [prompt],
+        ignoring,
+    )[0].outputs[0]
     assert len(full.token_ids) == 30 and full.token_ids[: len(out.token_ids)] == out.token_ids

@@ -27,7 +27,7 @@ def test_a_step_fault_answers_the_request_and_stops_the_server(tiny_model_dir):
         time.sleep(STEP_DELAY_S)  # both requests below are in flight when the step fails
         raise RuntimeError("injected step fault")
 
-    engine.client.core.runner.execute = broken_step
+    engine.client.core.runner.execute_async = broken_step
     port = free_port()
     app = create_app(engine, ServerConfig(served_model_name="tiny", shutdown_grace_seconds=1))
     server = GracefulServer(
