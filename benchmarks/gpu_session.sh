@@ -4,7 +4,7 @@
 # transformers, pytest preinstalled; no fastapi needed):
 #
 #   bash benchmarks/gpu_session.sh kernels OUT_DIR   # GPU-marked tests, kernel_bench
-#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam benchmark, profile
+#   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam, profile, host work
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #
 # Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
@@ -46,10 +46,20 @@ engine)
         --preset gpt2 --result-file "$out/beam_bench.json"
     step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/profile_decode.json"
+    step profile_decode_async "$python" benchmarks/profile_decode.py --device cuda \
+        --dtype float16 --preset gpt2 --async-scheduling \
+        --result-file "$out/profile_decode_async.json"
+    step host_overhead "$python" benchmarks/host_overhead.py --device cuda \
+        --result-file "$out/host_overhead.json"
+    step host_overhead_async "$python" benchmarks/host_overhead.py --device cuda \
+        --engine-args '{"async_scheduling": true}' --result-file "$out/host_overhead_async.json"
     ;;
 offline)
     step offline_gpt2 "$python" benchmarks/offline_throughput.py --device cuda --dtype float16 \
         --preset gpt2 --num-requests 256 --result-file "$out/offline_gpt2.json"
+    step offline_gpt2_async "$python" benchmarks/offline_throughput.py --device cuda \
+        --dtype float16 --preset gpt2 --num-requests 256 --repeats 1 --skip-hf-static \
+        --skip-hf-cb --async-scheduling --result-file "$out/offline_gpt2_async.json"
     step offline_gpt2_medium "$python" benchmarks/offline_throughput.py --device cuda \
         --dtype float16 --preset gpt2-medium --num-requests 256 --repeats 1 \
         --result-file "$out/offline_gpt2_medium.json"

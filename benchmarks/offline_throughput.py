@@ -159,6 +159,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4,
         help="how many leading requests to compare between Octavo and hf_static",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="run Octavo one step ahead (EngineConfig.async_scheduling)",
+    )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
     return resolve_model_arguments(p.parse_args(argv), "offline_throughput")
@@ -322,7 +327,8 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
         notes=(
             "LLM.generate with all requests at once, per-request max_tokens, ignore_eos=True; "
             f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
-            f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}."
+            f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}, "
+            f"async_scheduling={args.async_scheduling}."
         ),
     )
     llm = LLM(
@@ -333,6 +339,7 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gb=args.kv_cache_gb,
         seed=args.seed,
+        async_scheduling=args.async_scheduling,
     )
     run_octavo(llm, warmup_workload(workload))
     walls, outputs = timed(lambda _: run_octavo(llm, workload), args.device, args.repeats)

@@ -64,7 +64,7 @@ STEP_ANNOTATION = "octavo_step"
 # The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
 PHASES = (
     ("schedule", "scheduler.py", "schedule"),
-    ("execute.host_inputs", "model_runner.py", "_host_inputs"),
+    ("execute.host_inputs", "input_batch.py", "prepare"),
     ("execute.graph_replay", "cuda_graphs.py", "run"),
     ("execute.forward_eager", "model_runner.py", "_forward"),
     ("execute.sample", "sampler.py", "__call__"),
@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true", help="schedule one step ahead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--result-file", type=Path, default=None)
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             model=str(folder), device=args.device, dtype=args.dtype,
             max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager, seed=args.seed,
             max_num_batched_tokens=max(2048, max(args.batches)),
+            async_scheduling=args.async_scheduling,
         )  # fmt: skip
         engine = LLMEngine(config)
         bandwidth = device_copy_bandwidth(args.device, COPY_BYTES) if cuda else None

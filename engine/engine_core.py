@@ -274,7 +274,8 @@ class EngineCore:
                 self._sync_only.discard(group.request_id)
                 outputs.append(self._final_output(group, samples))
             elif samples:
-                first = any(len(s.token_ids) - len(s.prompt_token_ids) == 1 for s in seqs)
+                # A request's samples get their first tokens in the same step.
+                first = len(seqs[0].token_ids) - len(seqs[0].prompt_token_ids) == 1
                 scheduled_time = group.first_scheduled_time if first else None
                 outputs.append(
                     EngineCoreOutput(group.request_id, samples, False, None, None, scheduled_time)
