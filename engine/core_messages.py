@@ -60,7 +60,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
     index: int
     new_token_ids: list[int]
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless the request asked for logprobs
     new_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None

@@ -17,7 +17,7 @@ from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from octavo.engine.core.beam_state import BeamState, Hypothesis, normalized_score
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
-from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.core.sequence import Sequence, SequenceGroup
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import (
     BeamResult,
@@ -30,7 +30,7 @@ from octavo.engine.core_messages import (
     SampleDelta,
 )
 from octavo.engine.errors import ParameterError
-from octavo.engine.sampling_params import BeamSearchParams
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
@@ -268,7 +268,10 @@ class EngineCore:
         """Applies a step's results; the outputs of the requests that progressed."""
         outputs = []
         for group, seqs in self.scheduler.update(scheduled, launched.result()):
-            samples = [] if group.error is not None else [_delta(seq) for seq in seqs]
+            samples = []
+            if seqs and group.error is None:  # sampling sequences: beams report at the end
+                logprobs = group.sampling.logprobs is not None
+                samples = [_delta(seq, logprobs) for seq in seqs]
             if group.is_finished:
                 del self._groups[group.request_id]
                 self._sync_only.discard(group.request_id)
@@ -286,12 +289,13 @@ class EngineCore:
         """A finished request's last output: this step's samples, an "abort"/"error" end for
         samples that never got one, and a beam search's hypotheses."""
         ended = {s.index for s in samples}
+        params = group.sampling_params
+        logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
         for seq in group.seqs:
             if seq.index not in ended and seq.status.finish_reason in ("abort", "error"):
+                cumulative = seq.cumulative_logprob if logprobs else None
                 samples.append(
-                    SampleDelta(
-                        seq.index, [], seq.cumulative_logprob, None, seq.status.finish_reason
-                    )
+                    SampleDelta(seq.index, [], cumulative, None, seq.status.finish_reason)
                 )
         return EngineCoreOutput(
             group.request_id,
@@ -317,17 +321,17 @@ class EngineCore:
         )
 
 
-def _delta(seq: Sequence) -> SampleDelta:
-    """What `seq` gained this step: its newest token. Positional arguments: this runs for
-    every token of every request."""
-    logprobs = seq.last_logprobs
-    status = seq.status
+def _delta(seq: Sequence, logprobs: bool) -> SampleDelta:
+    """What `seq` gained this step: its newest token (with its log-probabilities when the
+    request asked for them). Positional arguments: this runs for every token of every
+    request."""
+    top = seq.last_logprobs
     return SampleDelta(
         seq.index,
         [seq.token_ids[-1]],
-        seq.cumulative_logprob,
-        None if logprobs is None else [logprobs],
-        None if status is SequenceStatus.RUNNING else status.finish_reason,
+        seq.cumulative_logprob if logprobs else None,
+        None if top is None else [top],
+        seq.status.finish_reason if seq.is_finished else None,
         seq.stop_reason,
     )
 

@@ -37,7 +37,7 @@ class _SampleState:
     want_logprobs: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_end: int | None = None  # where a matched stop string cut the text

@@ -20,7 +20,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless logprobs were asked for (as vLLM)
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

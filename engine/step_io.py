@@ -77,10 +77,11 @@ class SchedulerOutput:
 
 @dataclass
 class SamplerOutput:
-    """Per row: the sampled token, its log-probability, and the top-N map when requested."""
+    """Per row: the sampled token, and when its request asked for logprobs the token's
+    log-probability and the top-N map (None otherwise)."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
 
 

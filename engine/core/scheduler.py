@@ -136,7 +136,7 @@ class Scheduler:
                     and table is not None
                     and start // block_size < len(table)
                     and ref_counts[table[start // block_size]] == 1
-                    and not group.needs_fork
+                    and group.sampling_params.n == 1  # no fork pending (group.needs_fork)
                 ):
                     seq.num_computed_tokens = start + 1
                     seq.num_pending_tokens += 1
@@ -380,7 +380,8 @@ class Scheduler:
                 entry = updated[id(group)] = (group, [])
             try:
                 seq.token_ids.append(token_id)
-                seq.cumulative_logprob += logprob
+                if logprob is not None:
+                    seq.cumulative_logprob += logprob
                 seq.last_logprobs = top
                 decision = check_stop(seq, group.sampling_params)  # type: ignore[arg-type]
                 if decision is not None:

@@ -174,7 +174,10 @@ class InputBatch:
             offsets = np.arange(num_tokens) - cu_seqlens_q[:-1][seq_of_token]
             positions = (seq_lens - query_lens)[seq_of_token].astype(np.int64) + offsets
             token_rows = rows_a[seq_of_token]
-        slot_mapping = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        # block_size is a power of two: shifts and masks, not (slow) int64 division.
+        shift = bs.bit_length() - 1
+        blocks = table[token_rows, positions >> shift].astype(np.int64)
+        slot_mapping = (blocks << shift) | (positions & (bs - 1))
         width = -(-int(seq_lens.max()) // bs) if len(rows) else 0
         return HostBatch(
             input_ids=np.array(input_ids, dtype=np.int64),

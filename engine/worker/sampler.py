@@ -12,12 +12,12 @@ from octavo.engine.step_io import SamplerOutput, SamplingRequest
 @dataclass
 class SampledTokens:
     """A batch's sampled tokens where the sampler computed them (the device), one row per
-    request: token_ids int64 [R] and their model log-probabilities float32 [R]; with
-    logprobs asked for, each row's best tokens (top_values / top_ids [R, K], K the most any
+    request: token_ids int64 [R]; when some row asked for logprobs, every row's model
+    log-probability float32 [R], best tokens (top_values / top_ids [R, K], K the most any
     row asked for) and `num_top`, per row the number asked for (None: not asked)."""
 
     token_ids: torch.Tensor
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     num_top: list[int | None] | None = None
@@ -32,28 +32,30 @@ class SampledTokens:
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> SampledTokens:
         """The same results over other copies of `tensors` (host copies, in order)."""
-        token_ids, logprobs, *top = tensors
-        if not top:
-            return SampledTokens(token_ids, logprobs)
-        top_values, top_ids = top
+        if len(tensors) == 1:
+            return SampledTokens(tensors[0])
+        token_ids, logprobs, top_values, top_ids = tensors
         return SampledTokens(token_ids, logprobs, top_values, top_ids, self.num_top)
 
     def to_host(self) -> SamplerOutput:
-        """Lists and per-row {token_id: logprob} maps (the sampled token first); a sync point
-        on a device."""
+        """Lists and per-row {token_id: logprob} maps (the sampled token first), None for
+        rows that did not ask for logprobs; a sync point on a device."""
         token_ids = self.token_ids.tolist()
-        logprobs = self.logprobs.tolist()
         top: list[dict[int, float] | None] = [None] * len(token_ids)
-        if self.num_top is not None:
-            assert self.top_values is not None and self.top_ids is not None
-            values, ids = self.top_values.tolist(), self.top_ids.tolist()
-            for i, n in enumerate(self.num_top):
-                if n is None:
-                    continue
-                entry = {token_ids[i]: logprobs[i]}
-                for token, value in zip(ids[i][:n], values[i][:n], strict=True):
-                    entry.setdefault(token, value)
-                top[i] = entry
+        if self.logprobs is None or self.num_top is None:
+            return SamplerOutput(token_ids, [None] * len(token_ids), top)
+        row_logprobs: list[float] = self.logprobs.tolist()
+        assert self.top_values is not None and self.top_ids is not None
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        logprobs: list[float | None] = [None] * len(token_ids)
+        for i, n in enumerate(self.num_top):
+            if n is None:
+                continue
+            logprobs[i] = row_logprobs[i]
+            entry = {token_ids[i]: row_logprobs[i]}
+            for token, value in zip(ids[i][:n], values[i][:n], strict=True):
+                entry.setdefault(token, value)
+            top[i] = entry
         return SamplerOutput(token_ids, logprobs, top)
 
 
@@ -65,7 +67,7 @@ class Sampler:
     a draw. A draw is argmax(probs / Exp(1) noise), an exact sample from `probs`; a seeded
     request draws its noise from its own generator, so the tokens it gets do not depend on the
     other rows. Reported log-probabilities are those of the model (log_softmax of the raw
-    logits), as vLLM reports them.
+    logits), as vLLM reports them, and only for rows whose request asked for logprobs.
     """
 
     def __init__(self, eos_token_id: int | None, generator: torch.Generator):
@@ -76,23 +78,23 @@ class Sampler:
         """logits: [num_rows, vocab] float32, one row per request. Nothing here waits for the
         device: the results stay where they were computed until `SampledTokens.to_host`."""
         if all(r.params.is_plain_greedy for r in requests):
-            # The fast path: the argmax and its log-probability, without materializing
-            # log_softmax over the vocabulary.
-            values, token_ids = logits.max(dim=-1)
-            return SampledTokens(token_ids, values - logits.logsumexp(dim=-1))
-        logprobs = torch.log_softmax(logits, dim=-1)
+            return SampledTokens(logits.argmax(dim=-1))  # the fast path: one pass
+        # Log-probabilities cost a pass over the vocabulary: only when a row asks for them
+        # (as vLLM, a request without `logprobs` gets no cumulative_logprob either).
+        num_top = [r.params.logprobs for r in requests]
+        want_logprobs = any(n is not None for n in num_top)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._process(logits, requests)
         sampled = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sampled[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
+        if logprobs is None:
+            return SampledTokens(sampled)
         out = SampledTokens(sampled, logprobs.gather(1, sampled[:, None]).squeeze(1))
-        num_top = [r.params.logprobs for r in requests]
-        k = max((n for n in num_top if n is not None), default=None)
-        if k is not None:
-            out.top_values, out.top_ids = logprobs.topk(k, dim=-1)
-            out.num_top = num_top
+        out.top_values, out.top_ids = logprobs.topk(max(n or 0 for n in num_top), dim=-1)
+        out.num_top = num_top
         return out
 
     def _process(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:

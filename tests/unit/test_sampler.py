@@ -84,7 +84,9 @@ def test_greedy_takes_the_argmax_and_reports_model_logprobs():
         logits, [request(temperature=0.0, logprobs=2), request(temperature=0.0)]
     ).to_host()
     assert out.token_ids == [0, 4]
-    assert out.logprobs == pytest.approx([math.log(0.5), math.log(0.5)], abs=1e-6)
+    # Only the row that asked for logprobs gets them (vLLM's contract).
+    assert out.logprobs[0] == pytest.approx(math.log(0.5), abs=1e-6)
+    assert out.logprobs[1] is None
     assert list(out.top_logprobs[0]) == [0, 1]
     assert out.top_logprobs[0][1] == pytest.approx(math.log(0.2), abs=1e-6)
     assert out.top_logprobs[1] is None
@@ -104,8 +106,10 @@ def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn():
 def test_penalised_greedy_row_changes_its_choice():
     sampler = Sampler(EOS, torch.Generator().manual_seed(0))
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0, 0.0]])
-    out = sampler(logits, [request(output=[0], temperature=0.0, presence_penalty=0.5)]).to_host()
+    penalized = request(output=[0], temperature=0.0, presence_penalty=0.5, logprobs=0)
+    out = sampler(logits, [penalized]).to_host()
     assert out.token_ids == [1]
+    # The reported log-probability is the model's, before the penalty.
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], 0)[1].item())
 
 

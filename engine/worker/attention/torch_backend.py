@@ -93,9 +93,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _key_slots(metadata: AttentionMetadata) -> torch.Tensor:
         """[S, max_seqlen_k] cache slot of every key position of every sequence."""
         bs = metadata.block_size
+        shift = bs.bit_length() - 1  # a power of two: shifts and masks, not int64 division
         positions = torch.arange(metadata.max_seqlen_k, device=metadata.block_tables.device)
-        tables = metadata.block_tables.long()
-        return tables[:, positions // bs] * bs + positions % bs
+        tables = metadata.block_tables[:, positions >> shift].long()
+        return (tables << shift) | (positions & (bs - 1))
 
     def forward(
         self,
