@@ -26,27 +26,38 @@ class SequenceSlice:
     mask: torch.Tensor | None
 
 
+# Decodes attend as one padded batch while a decode's padded K (or V) holds at most this many
+# elements: measured on CPU, one per-sequence call costs about as much as gathering this many
+# elements, and the batch gather also copies the padding (tiny models: always batched; GPT-2
+# small: batched for contexts of up to ~40 tokens, where per-call overhead dominates).
+BATCHED_DECODE_MAX_ELEMENTS = 32768
+
+
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    """Adds the gather plan, computed once per step for all layers: the leading decodes as
-    one padded batch (`decode_key_slots` [D, max decode seq_len], `decode_mask` True where a
-    key exists), then one slice per other sequence."""
+    """Adds the gather plan, computed once per step for all layers: the leading decodes
+    (`num_decodes`, one query each, context `decode_width` at most), then one slice per other
+    sequence. `key_slots` [S, max_seqlen_k] holds every key position's cache slot. The
+    decodes' own plan (`decode_slices` for one call each, or `decode_key_slots` and
+    `decode_mask` for one batch) is made by the first layer, which knows the K/V width."""
 
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
     store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    key_slots: torch.Tensor | None = None
     num_decodes: int = 0
+    decode_width: int = 0
+    decode_slices: list[SequenceSlice] | None = None
     decode_key_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     sequences: list[SequenceSlice] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Gathers K/V through the block tables and calls SDPA: once for all decodes, once per
-    other sequence.
+    """Gathers K/V through the block tables and calls SDPA: per sequence, or once for all
+    decodes of a step when their padded keys are small (tiny models, short contexts), where
+    per-sequence Python would cost more than the padding.
 
-    The decodes of a step (one query each) are one padded batch: one gather, one masked SDPA
-    call, no per-sequence Python, so the step's host cost does not grow with the batch. A
-    prefill without context attends to its own fresh keys with a causal mask; one with
+    A prefill without context attends to its own fresh keys with a causal mask; one with
     context (a later chunk, a recompute) gathers its keys from the cache and masks in
     absolute positions.
     """
@@ -61,17 +72,13 @@ class TorchAttentionBackend(AttentionBackend):
             out.store_rows = (metadata.slot_mapping >= 0).nonzero().squeeze(1)
             out.store_slots = metadata.slot_mapping[out.store_rows]
         key_slots = self._key_slots(metadata)
+        out.key_slots = key_slots
         device = metadata.slot_mapping.device
         query_lens = metadata.query_lens_host
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         if num_decodes:
-            width = max(metadata.seq_lens_host[:num_decodes])
-            decode_lens = metadata.seq_lens[:num_decodes, None]
             out.num_decodes = num_decodes
-            out.decode_mask = torch.arange(width, device=device)[None, :] < decode_lens
-            # Padding keys read slot 0 of the zeroed null block: slots past a sequence's
-            # length may hold unwritten memory (NaN), and 0 x NaN would poison the sum.
-            out.decode_key_slots = key_slots[:num_decodes, :width].masked_fill(~out.decode_mask, 0)
+            out.decode_width = max(metadata.seq_lens_host[:num_decodes])
         start = num_decodes
         for i, (q_len, seq_len) in enumerate(
             zip(query_lens[num_decodes:], metadata.seq_lens_host[num_decodes:], strict=True),
@@ -118,15 +125,64 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat.index_copy_(0, metadata.store_slots, v_new)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if metadata.num_decodes:
-            assert metadata.decode_key_slots is not None and metadata.decode_mask is not None
             num = metadata.num_decodes
-            query = q[:num, :, None, :]  # [D, H, 1, hd]
-            keys = k_flat[metadata.decode_key_slots].transpose(1, 2)  # [D, H, L, hd]
-            values = v_flat[metadata.decode_key_slots].transpose(1, 2)
-            mask = metadata.decode_mask[:, None, None, :]  # [D, 1, 1, L]
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
-            out[:num] = o[:, :, 0, :]
-        for s in metadata.sequences:
+            if self._batch_decodes(metadata, num_heads * head_dim):
+                assert metadata.decode_key_slots is not None and metadata.decode_mask is not None
+                slots = metadata.decode_key_slots.flatten()
+                width = metadata.decode_width
+                query = q[:num, :, None, :]  # [D, H, 1, hd]
+                keys = k_flat.index_select(0, slots).view(num, width, num_heads, head_dim)
+                values = v_flat.index_select(0, slots).view(num, width, num_heads, head_dim)
+                mask = metadata.decode_mask[:, None, None, :]  # [D, 1, 1, L]
+                o = F.scaled_dot_product_attention(
+                    query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                    scale=scale,
+                )  # fmt: skip
+                out[:num] = o[:, :, 0, :]
+            else:
+                assert metadata.decode_slices is not None
+                self._attend(q, k, v, k_flat, v_flat, metadata.decode_slices, out, scale)
+        self._attend(q, k, v, k_flat, v_flat, metadata.sequences, out, scale)
+        return out
+
+    @staticmethod
+    def _batch_decodes(metadata: TorchAttentionMetadata, kv_width: int) -> bool:
+        """Plans the decodes on the first call of a step: one padded batch, or one slice
+        each (see BATCHED_DECODE_MAX_ELEMENTS); returns whether they are batched."""
+        if metadata.decode_key_slots is not None:
+            return True
+        if metadata.decode_slices is not None:
+            return False
+        assert metadata.key_slots is not None
+        num, width = metadata.num_decodes, metadata.decode_width
+        if width * kv_width <= BATCHED_DECODE_MAX_ELEMENTS:
+            positions = torch.arange(width, device=metadata.key_slots.device)
+            metadata.decode_mask = positions[None, :] < metadata.seq_lens[:num, None]
+            # Padding keys read slot 0 of the zeroed null block: slots past a sequence's
+            # length may hold unwritten memory (NaN), and 0 x NaN would poison the sum.
+            metadata.decode_key_slots = metadata.key_slots[:num, :width].masked_fill(
+                ~metadata.decode_mask, 0
+            )
+            return True
+        metadata.decode_slices = [
+            SequenceSlice(i, i + 1, metadata.key_slots[i, :seq_len], None)
+            for i, seq_len in enumerate(metadata.seq_lens_host[:num])
+        ]
+        return False
+
+    @staticmethod
+    def _attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        sequences: list[SequenceSlice],
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """One SDPA call per sequence, each writing its rows of `out`."""
+        for s in sequences:
             query = q[s.start : s.end].transpose(0, 1)  # [H, q_len, D]
             if s.key_slots is None:
                 keys = k[s.start : s.end].transpose(0, 1)
@@ -139,4 +195,3 @@ class TorchAttentionBackend(AttentionBackend):
                     query, keys, values, attn_mask=s.mask, scale=scale
                 )
             out[s.start : s.end] = o.transpose(0, 1)
-        return out
