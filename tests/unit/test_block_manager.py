@@ -118,3 +118,28 @@ def test_freeing_an_unknown_sequence_is_a_no_op_and_invariants_catch_corruption(
 def test_block_manager_rejects_too_few_blocks():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(num_blocks=1, block_size=4)
+
+
+def test_take_changes_reports_exactly_the_tables_that_changed_and_those_dropped():
+    """What the runner's persistent rows rely on: a decode inside its own last block is no
+    change; a new table, a new block, a fork and a copy-on-write swap are; a free is a drop."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    a = make_seq(0, 6)
+    compute(bm, a, 6)  # a new table of two blocks
+    assert bm.take_changes() == ({0}, [])
+    compute(bm, a, 1)  # position 6: inside block 2, held alone
+    assert bm.has_slot_in_place(a) and bm.take_changes() == (set(), [])
+    b = make_seq(1, 7)
+    b.num_computed_tokens = 7  # a's tokens, as Sequence.fork copies them
+    bm.fork(a, b)
+    assert bm.take_changes() == ({1}, [])
+    assert not bm.has_slot_in_place(b)  # its last block is shared now
+    compute(bm, b, 1)  # copy-on-write swaps b's last block
+    assert bm.take_changes() == ({1}, []) and bm.take_copies() == [(2, 3)]
+    compute(bm, a, 2)  # positions 7 and 8: the second opens a new block
+    assert bm.take_changes() == ({0}, [])
+    bm.free(b)
+    c = make_seq(2, 2)
+    compute(bm, c, 2)
+    bm.free(c)  # created and dropped within one step: only the drop is reported
+    assert bm.take_changes() == (set(), [1, 2])
