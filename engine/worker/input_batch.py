@@ -10,9 +10,6 @@ import torch
 
 from octavo.engine.step_io import SamplingRequest, SchedulerOutput
 
-# Rows the table starts with when the runner is not told how many sequences run at once.
-_MIN_ROWS = 16
-
 
 @dataclass
 class HostBatch:
@@ -82,7 +79,9 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
-        self.block_table = np.zeros((max(max_num_seqs, _MIN_ROWS), max_blocks), dtype=np.int32)
+        # One row per running sequence; doubled if ever full (a step's freed rows are
+        # returned before its new ones are taken, so max_num_seqs rows normally suffice).
+        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(len(self.block_table) - 1, -1, -1))
         self._stale: set[int] = set()  # changed tables not yet rewritten into their rows

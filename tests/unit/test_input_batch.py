@@ -38,10 +38,8 @@ def naive_inputs(output: SchedulerOutput, bm: BlockManager) -> dict[str, list]:
 def test_persistent_rows_match_a_from_scratch_build_every_step():
     bm = BlockManager(14, BLOCK_SIZE)  # small enough to force preemptions
     scheduler = Scheduler(SchedulerConfig(6, 10), bm, StopChecker(MAX_MODEL_LEN, None))
-    # Two rows to start: every later sequence makes the table grow.
+    # Two rows to start: the n > 1 requests make the table grow.
     batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE)
-    batch.block_table = batch.block_table[:2]
-    batch._free_rows = [1, 0]
     tokens = itertools.count(100)
     for i, (prompt_len, n, max_tokens) in enumerate(
         [(9, 1, 12), (3, 3, 7), (14, 2, 5), (5, 1, 20)]
