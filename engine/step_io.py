@@ -30,7 +30,9 @@ class SamplingRequest:
 class ScheduledSequence:
     """One sequence's work in a step: tokens [start, start + num_new_tokens) of `token_ids`.
 
-    Worker fields: `seq_id`, `token_ids` (the sequence's list, read-only), `start`,
+    Worker fields: `seq_id`, `token_ids` (the sequence's list, read-only; with async
+    scheduling a decode's input token at `start` may not be in it yet: the previous step
+    sampled it and the worker takes it from the device), `start`,
     `num_new_tokens`, `block_table` (the BlockManager's table of the sequence, read-only and
     valid for this step), `samples` (the rows sampled from the last computed position: `seq`
     itself, or `seq` and the children forked from it this step -- an n > 1 prompt is computed
