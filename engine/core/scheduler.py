@@ -37,6 +37,13 @@ class Scheduler:
     blocks freed, its tokens kept, recomputed later from the front of the waiting queue).
     Then waiting groups are admitted, in arrival order, while budget, `max_num_seqs` and free
     blocks allow; a prompt longer than the remaining budget is prefilled in chunks.
+
+    A row that samples makes a token pending (`Sequence.num_pending_tokens`) until `update`
+    receives it. `schedule` may run before the previous step's `update` (async scheduling):
+    a pending token then counts as a token to compute (the worker feeds it from the device),
+    a sequence whose pending token reaches its length limit is not scheduled again, a
+    preempted group with a token in flight waits for it, and `update` drops a token that
+    arrives for a finished sequence.
     """
 
     def __init__(
