@@ -215,7 +215,10 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        # A step in flight holds tokens for live requests only while the scheduler still
+        # has them; once every request has finished or was aborted its results are dropped,
+        # which the next step() call does.
+        return self.scheduler.has_unfinished()
 
     def run_busy_loop(
         self,

@@ -109,3 +109,21 @@ def test_no_step_is_scheduled_past_max_model_len(tiny_model_dir, hf_tiny):
     out = run_to_completion(engine, [[3] * (n_positions - 2)], params)[0].outputs[0]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
     assert max(int(b.positions.max()) for b in batches) == n_positions - 2
+
+
+def test_aborting_everything_leaves_nothing_unfinished_and_the_engine_goes_on(tiny_model_dir):
+    """A step still in flight for aborted requests only is no unfinished work (as after any
+    abort); the next step drops its tokens and serves the next request as usual."""
+    engine = make_engine(tiny_model_dir, True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5], params)
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("b")
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+    want = run_to_completion(make_engine(tiny_model_dir, False), [[7, 8, 9]], params)[0]
+    got = run_to_completion(engine, [[7, 8, 9]], params)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
