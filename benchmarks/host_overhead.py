@@ -46,6 +46,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
+from octavo.benchmarks.serving_throughput import git_commit
 from octavo.engine.config import EngineConfig
 from octavo.engine.core_messages import EngineCoreRequest
 from octavo.engine.engine_core import EngineCore
@@ -186,16 +187,6 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
                 "phases_ms": {p: median[p] * 1e3 for p in PHASES},
             }
     return results
-
-
-def git_commit(root: Path) -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def measure_before(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:

@@ -97,6 +97,17 @@ class DecodeInputBuffers:
         )
         return size
 
+    def load_batch(self, batch: HostBatch, pending: PendingInputs | None) -> int:
+        """`load` of a decode-only HostBatch, its unknown input tokens then filled in on the
+        device from `pending`; returns the bucket size."""
+        size = self.load(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.seq_lens,
+        )  # fmt: skip
+        if pending is not None:
+            self.tokens[0].index_copy_(0, pending.rows, pending.tokens)
+        return size
+
     def input_ids(self, size: int) -> torch.Tensor:
         return self.tokens[0, :size]
 
@@ -175,11 +186,6 @@ class CUDAGraphRunner:
         """Logits [batch.num_seqs, vocab] of a decode-only batch (`batch.is_graph_decode`),
         its unknown input tokens filled in on the device from `pending`. The result is a
         view of graph memory, valid until the next replay."""
-        size = self.buffers.load(
-            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-            batch.seq_lens,
-        )  # fmt: skip
-        if pending is not None:
-            self.buffers.tokens[0].index_copy_(0, pending.rows, pending.tokens)
+        size = self.buffers.load_batch(batch, pending)
         self.graphs[size].replay()
         return self.logits[size][: batch.num_seqs]

@@ -35,12 +35,7 @@ class EagerBucketReplay:
         return self.buffers.max_batch_size
 
     def run(self, batch: HostBatch, pending: PendingInputs | None = None) -> torch.Tensor:
-        size = self.buffers.load(
-            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-            batch.seq_lens,
-        )  # fmt: skip
-        if pending is not None:
-            self.buffers.tokens[0].index_copy_(0, pending.rows, pending.tokens)
+        size = self.buffers.load_batch(batch, pending)
         self.replays.append((batch.num_seqs, size))
         return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: batch.num_seqs]
 
