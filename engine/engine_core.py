@@ -269,23 +269,12 @@ class EngineCore:
         self, scheduled: SchedulerOutput, launched: StepFuture
     ) -> list[EngineCoreOutput]:
         """Applies a step's results; the outputs of the requests that progressed."""
-        outputs = []
-        for group, seqs in self.scheduler.update(scheduled, launched.result()):
-            samples = []
-            if seqs and group.error is None:  # sampling sequences: beams report at the end
-                logprobs = group.sampling.logprobs is not None
-                samples = [_delta(seq, logprobs) for seq in seqs]
-            if group.is_finished:
-                del self._groups[group.request_id]
-                self._sync_only.discard(group.request_id)
-                outputs.append(self._final_output(group, samples))
-            elif samples:
-                # A request's samples get their first tokens in the same step.
-                first = len(seqs[0].token_ids) - len(seqs[0].prompt_token_ids) == 1
-                scheduled_time = group.first_scheduled_time if first else None
-                outputs.append(
-                    EngineCoreOutput(group.request_id, samples, False, None, None, scheduled_time)
-                )
+        update = self.scheduler.update(scheduled, launched.result())
+        outputs = update.progressed
+        for group, samples in update.finished:
+            del self._groups[group.request_id]
+            self._sync_only.discard(group.request_id)
+            outputs.append(self._final_output(group, samples))
         return outputs
 
     def _final_output(self, group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
@@ -322,21 +311,6 @@ class EngineCore:
             num_generation_tokens=self.scheduler.num_generation_tokens,
             num_requests_added=self._num_requests_added,
         )
-
-
-def _delta(seq: Sequence, logprobs: bool) -> SampleDelta:
-    """What `seq` gained this step: its newest token (with its log-probabilities when the
-    request asked for them). Positional arguments: this runs for every token of every
-    request."""
-    top = seq.last_logprobs
-    return SampleDelta(
-        seq.index,
-        [seq.token_ids[-1]],
-        seq.cumulative_logprob if logprobs else None,
-        None if top is None else [top],
-        seq.status.finish_reason if seq.is_finished else None,
-        seq.stop_reason,
-    )
 
 
 def _beam_results(group: SequenceGroup) -> list[BeamResult]:

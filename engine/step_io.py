@@ -45,7 +45,7 @@ class ScheduledSequence:
     start: int
     num_new_tokens: int
     block_table: list[int]
-    samples: list[SamplingRequest]
+    samples: tuple[SamplingRequest, ...]
     beam_top_k: int
     group: SequenceGroup
     seq: Sequence

@@ -81,7 +81,7 @@ class BeamSearch:
         state = group.beam
         assert state is not None
         state.running_scores = state.running_scores + logprob
-        beam.append_token(token, float(logprob), None)
+        beam.append_token(token, float(logprob))
         stopped = token in state.stop_token_ids
         if stopped or generated + 1 >= state.max_new_tokens:
             length = generated + 1
@@ -159,7 +159,7 @@ class BeamSearch:
                 next_beams.append(parent)
         # Forks copied their parents' tokens above; now every beam gets its own new token.
         for beam, (_, token, logprob) in zip(next_beams, chosen, strict=True):
-            beam.append_token(token, float(logprob), None)
+            beam.append_token(token, float(logprob))
         for index, beam in enumerate(beams):
             if index not in used:  # pruned: nobody continues it
                 beam.status = SequenceStatus.FINISHED_STOPPED

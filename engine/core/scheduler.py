@@ -12,6 +12,8 @@ from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
+from octavo.engine.core_messages import EngineCoreOutput, SampleDelta
+from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import (
     ModelRunnerOutput,
     SamplingRequest,
@@ -20,6 +22,17 @@ from octavo.engine.step_io import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerUpdate:
+    """What a step's results did to the requests. `progressed`: the output of each sampling
+    request that gained tokens and goes on. `finished`: each request that finished during the
+    step (a stop rule, a failure -- `group.error` -- or a beam search's end), with the deltas
+    of its samples that gained a token (a failed or beam search request has none here)."""
+
+    progressed: list[EngineCoreOutput]
+    finished: list[tuple[SequenceGroup, list[SampleDelta]]]
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class Scheduler:
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
         self._num_running_seqs: int | None = None  # None: to be recounted
+        self._sample_rows: dict[int, tuple[SamplingRequest]] = {}  # see _sample_row
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
 
     def new_seq_id(self) -> int:
@@ -67,6 +81,10 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def add(self, group: SequenceGroup) -> None:
+        params = group.sampling_params
+        if isinstance(params, SamplingParams):
+            screen = self.stop_checker.screen(params, len(group.prompt_token_ids))
+            group.stop_token_screen, group.max_num_tokens = screen
         self.waiting.append(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -125,6 +143,7 @@ class Scheduler:
         preempted: list[SequenceGroup] = []
         bm = self.block_manager
         tables, ref_counts, block_size = bm.block_tables, bm.ref_counts, bm.block_size
+        sample_rows = self._sample_rows
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
@@ -147,13 +166,12 @@ class Scheduler:
                 ):
                     seq.num_computed_tokens = start + 1
                     seq.num_pending_tokens += 1
+                    samples = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
                     decodes.append(
                         ScheduledSequence(
-                            seq.seq_id, seq.token_ids, start, 1, table,
-                            [SamplingRequest(group.sampling_params, seq)],  # type: ignore[arg-type]
-                            0, group, seq,
+                            seq.seq_id, seq.token_ids, start, 1, table, samples, 0, group, seq
                         )
-                    )  # fmt: skip
+                    )
                     budget -= 1
                     index += 1
                     continue
@@ -198,6 +216,8 @@ class Scheduler:
             budget -= self._commit(group, plan, decodes, prefills)
 
         changed, freed = self.block_manager.take_changes()
+        for seq_id in freed:
+            sample_rows.pop(seq_id, None)
         return SchedulerOutput(
             scheduled=decodes + prefills,
             blocks_to_copy=self.block_manager.take_copies(),
@@ -222,12 +242,11 @@ class Scheduler:
                 return False
         beam = group.beam
         top_k = 0 if beam is None else beam.candidates_needed
-        params = group.sampling_params
         tables = bm.block_tables
         for seq in seqs:
             start = seq.num_computed_tokens
             seq.num_computed_tokens = start + 1
-            samples = [] if beam is not None else [SamplingRequest(params, seq)]  # type: ignore[arg-type]
+            samples = () if beam is not None else self._sample_row(group, seq)
             seq.num_pending_tokens += len(samples)
             decodes.append(
                 ScheduledSequence(
@@ -236,6 +255,14 @@ class Scheduler:
                 )
             )  # fmt: skip
         return True
+
+    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> tuple[SamplingRequest]:
+        """The sampling row of `seq` (of a sampling request), built once: every step that
+        samples the sequence reuses it until its blocks are freed."""
+        row = self._sample_rows.get(seq.seq_id)
+        if row is None:
+            row = self._sample_rows[seq.seq_id] = (SamplingRequest(group.sampling, seq),)
+        return row
 
     def _ends_pending(self, group: SequenceGroup, seq: Sequence) -> bool:
         """True when the pending tokens of `seq` already bring it to max_tokens or
@@ -302,16 +329,17 @@ class Scheduler:
             bm.append_slots(seq, num_new)
             start = seq.num_computed_tokens
             seq.num_computed_tokens = start + num_new
-            samples: list[SamplingRequest] = []
+            samples: tuple[SamplingRequest, ...] = ()
             top_k = 0
             if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending_tokens:
                 if beam is not None:
                     top_k = beam.candidates_needed
                 else:
-                    params = group.sampling
-                    samples.append(SamplingRequest(params, seq))
+                    samples = self._sample_row(group, seq)
                     if group.needs_fork:
-                        samples += [SamplingRequest(params, c) for c in self._fork(group, seq)]
+                        samples += tuple(
+                            self._sample_row(group, c)[0] for c in self._fork(group, seq)
+                        )
                     for request in samples:
                         request.seq.num_pending_tokens += 1
             elif beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
@@ -351,71 +379,113 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
 
-    def update(
-        self, output: SchedulerOutput, result: ModelRunnerOutput
-    ) -> list[tuple[SequenceGroup, list[Sequence]]]:
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> SchedulerUpdate:
         """Appends the sampled tokens, applies stop rules, advances beam searches, frees
-        finished sequences. Returns the groups that progressed this step (finished included),
-        each with its sampling sequences that received a token (none for a beam search or a
-        group that failed).
+        finished sequences, and says what each request gained (see `SchedulerUpdate`).
 
-        Rows are applied by the sequence each names. Whatever raises while one group is
-        updated (sampling bookkeeping, stop checks, beam arithmetic) fails that group alone
-        (`fail`); the others are updated as usual."""
+        Rows come in the order of `output.scheduled` and its samples; each row names its
+        sequence and a row that names another is a broken contract (AssertionError). One
+        loop does everything per row: this runs for every token of every request. Whatever
+        raises while one group is updated (sampling bookkeeping, stop checks, beam
+        arithmetic) fails that group alone (`fail`); the others are updated as usual."""
         now = time.monotonic()
-        targets: dict[int, tuple[SequenceGroup, Sequence]] = {}
-        beam_groups: dict[int, SequenceGroup] = {}
-        for item in output.scheduled:
-            for request in item.samples:
-                targets[request.seq.seq_id] = (item.group, request.seq)
-            if item.beam_top_k:
-                beam_groups[id(item.group)] = item.group
-        updated: dict[int, tuple[SequenceGroup, list[Sequence]]] = {}
-        sampled = result.sampled
+        seq_ids, sampled = result.sampled_seq_ids, result.sampled
+        token_ids, logprobs, top_logprobs = (
+            sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        )  # fmt: skip
         check_stop = self.stop_checker.check
+        update = SchedulerUpdate([], [])
+        progressed = update.progressed
+        # Groups with several samples gather their deltas here (first: their first tokens).
+        gathered: dict[int, tuple[SequenceGroup, list[SampleDelta], bool]] = {}
+        beam_groups: list[SequenceGroup] = []
         any_finished = False
-        for seq_id, token_id, logprob, top in zip(
-            result.sampled_seq_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
-            strict=True,
-        ):  # fmt: skip
-            group, seq = targets[seq_id]
-            seq.num_pending_tokens -= 1
-            if seq.is_finished:  # a token sampled past a stop, an abort or a failure
+        row = 0
+        for item in output.scheduled:
+            if item.beam_top_k:
+                beam_groups.append(item.group)
+            if not item.samples:
                 continue
-            entry = updated.get(id(group))
-            if entry is None:
-                entry = updated[id(group)] = (group, [])
-            try:
-                seq.token_ids.append(token_id)
-                if logprob is not None:
-                    seq.cumulative_logprob += logprob
-                seq.last_logprobs = top
-                decision = check_stop(seq, group.sampling_params)  # type: ignore[arg-type]
-                if decision is not None:
-                    self._stop(seq, decision.finish_reason, decision.stop_reason)
-                    group.finished_time = now
+            group = item.group
+            params = group.sampling_params
+            for request in item.samples:
+                seq = request.seq
+                if seq_ids[row] != seq.seq_id:
+                    raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
+                token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
+                row += 1
+                seq.num_pending_tokens -= 1
+                if seq.is_finished:  # a token sampled past a stop, an abort or a failure
+                    continue
+                first = group.first_token_time is None
+                if first:
+                    group.first_token_time = now
+                try:
+                    tokens = seq.token_ids
+                    tokens.append(token_id)
+                    if logprob is not None:
+                        seq.cumulative_logprob += logprob
+                    finish_reason = None
+                    if token_id in group.stop_token_screen or len(tokens) >= group.max_num_tokens:
+                        decision = check_stop(seq, params)  # type: ignore[arg-type]
+                        if decision is not None:
+                            self._stop(seq, decision.finish_reason, decision.stop_reason)
+                            group.finished_time = now
+                            finish_reason = decision.finish_reason
+                    delta = SampleDelta(
+                        seq.index, [token_id], None if logprob is None else seq.cumulative_logprob,
+                        None if top is None else [top], finish_reason, seq.stop_reason,
+                    )  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+                    self.fail(group, exc)
                     any_finished = True
-            except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
-                self.fail(group, exc)
+                    update.finished.append((group, []))
+                    gathered.pop(id(group), None)
+                    continue  # its other rows still count (their sequences are finished)
+                if len(group.seqs) == 1:  # one sample: its output is complete
+                    if finish_reason is not None:
+                        any_finished = True
+                        update.finished.append((group, [delta]))
+                    else:
+                        when = group.first_scheduled_time if first else None
+                        progressed.append(
+                            EngineCoreOutput(group.request_id, [delta], False, None, None, when)
+                        )
+                    continue
+                entry = gathered.get(id(group))
+                if entry is None:
+                    if group.error is not None:  # failed by an earlier row of this step
+                        continue
+                    entry = gathered[id(group)] = (group, [], first)
+                entry[1].append(delta)
+        if row != len(seq_ids):
+            raise AssertionError(f"{len(seq_ids)} rows for {row} sampled sequences")
+        self.num_generation_tokens += len(seq_ids)
+        for group, deltas, first in gathered.values():
+            if group.is_finished:
                 any_finished = True
-                continue
-            entry[1].append(seq)
-            if group.first_token_time is None:
-                group.first_token_time = now
-        self.num_generation_tokens += len(result.sampled_seq_ids)
+                update.finished.append((group, deltas))
+            else:
+                scheduled_time = group.first_scheduled_time if first else None
+                progressed.append(
+                    EngineCoreOutput(group.request_id, deltas, False, None, None, scheduled_time)
+                )
         if beam_groups:
             self._num_running_seqs = None  # a first step turns one sequence into beams
             beam_rows = {seq_id: row for row, seq_id in enumerate(result.beam_seq_ids)}
-            for group in beam_groups.values():
-                updated[id(group)] = (group, [])
+            for group in dict.fromkeys(beam_groups):  # a group's beams are scheduled together
+                if group.is_finished:
+                    continue
                 self._beam_step(group, result, beam_rows, now)
-                any_finished = any_finished or group.is_finished
+                if group.is_finished:
+                    any_finished = True
+                    update.finished.append((group, []))
         if any_finished:
             self.running = [g for g in self.running if not g.is_finished]
             self._num_running_seqs = None
             if any(g.is_finished for g in self.waiting):  # preempted, finished by a late token
                 self.waiting = deque(g for g in self.waiting if not g.is_finished)
-        return list(updated.values())
+        return update
 
     def _beam_step(
         self, group: SequenceGroup, result: ModelRunnerOutput, rows: dict[int, int], now: float

@@ -64,9 +64,6 @@ class Sequence:
     # comparing enum members costs ten times an attribute read.
     is_finished: bool = field(default=False, init=False)
     cumulative_logprob: float = 0.0
-    # {token_id: logprob} of the newest token and its top alternatives, when asked for: the
-    # core emits each step's logprobs once and keeps no history of them.
-    last_logprobs: dict[int, float] | None = None
     stop_reason: int | None = None  # the stop token id that finished the sequence
 
     def __post_init__(self) -> None:
@@ -101,10 +98,9 @@ class Sequence:
         self._status = status
         self.is_finished = status.finished
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None):
+    def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
-        self.last_logprobs = top_logprobs
 
     def fork(self, seq_id: int, generator: torch.Generator | None, index: int) -> Sequence:
         """A copy sharing nothing mutable with this one (block sharing is the BlockManager's);
@@ -114,7 +110,6 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
-        child.last_logprobs = self.last_logprobs
         return child
 
 
@@ -139,6 +134,11 @@ class SequenceGroup:
     num_preemptions: int = 0
     beam: BeamState | None = None
     error: str | None = None  # why the request failed (FINISHED_ERROR), for its client
+    # Set by the scheduler at admission (StopChecker.screen): only a token in
+    # `stop_token_screen` or a length of `max_num_tokens` can end a sample, so the stop rules
+    # run for those alone.
+    stop_token_screen: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
     generators: list[torch.Generator | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

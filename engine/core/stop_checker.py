@@ -35,6 +35,15 @@ class StopChecker:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
 
+    def screen(self, params: SamplingParams, num_prompt_tokens: int) -> tuple[frozenset[int], int]:
+        """A request's cheap pre-test: `check` can only stop a sequence whose new token is in
+        the returned set (EOS unless ignored, stop_token_ids) or whose length reaches the
+        returned count (max_tokens or max_model_len, whichever comes first)."""
+        tokens = set(params.stop_token_ids or ())
+        if self.eos_token_id is not None and not params.ignore_eos:
+            tokens.add(self.eos_token_id)
+        return frozenset(tokens), min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+
     def check(self, seq: Sequence, params: SamplingParams) -> StopDecision | None:
         # Runs for every sampled token: locals instead of properties, shared decisions.
         token_ids = seq.token_ids

@@ -13,6 +13,7 @@ from octavo.engine.worker.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    argmax_rows,
 )
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
@@ -90,6 +91,19 @@ def test_greedy_takes_the_argmax_and_reports_model_logprobs():
     assert list(out.top_logprobs[0]) == [0, 1]
     assert out.top_logprobs[0][1] == pytest.approx(math.log(0.2), abs=1e-6)
     assert out.top_logprobs[1] is None
+
+
+def test_argmax_rows_matches_torch_argmax_with_ties_infinities_and_nan():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 4, (64, 50), generator=generator).float()  # many ties
+    values[3, :] = float("-inf")
+    values[5, 7] = float("inf")
+    values[9, 11] = float("nan")
+    strided = torch.randn(16, 100, generator=generator)[:, ::3]
+    for x in (values, strided, values.to(torch.bfloat16)):
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, x.argmax(dim=-1))
 
 
 def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn():
