@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from octavo.engine.core.sequence import Sequence, SequenceGroup
@@ -26,8 +27,7 @@ class SamplingRequest:
     seq: Sequence
 
 
-@dataclass(slots=True)
-class ScheduledSequence:
+class ScheduledSequence(msgspec.Struct, frozen=True):
     """One sequence's work in a step: tokens [start, start + num_new_tokens) of `token_ids`.
 
     Worker fields: `seq_id`, `token_ids` (the sequence's list, read-only; with async
@@ -38,6 +38,9 @@ class ScheduledSequence:
     itself, or `seq` and the children forked from it this step -- an n > 1 prompt is computed
     once and sampled n times) and `beam_top_k` (> 0: the position feeds beam search, which
     needs this many best next tokens). Core fields: `group`, `seq`.
+
+    A msgspec Struct, never encoded: one is made for every sequence of every step, and its
+    C constructor costs half a dataclass's.
     """
 
     seq_id: int

@@ -66,6 +66,9 @@ class PendingInputs:
     tokens: torch.Tensor
 
 
+_PENDING = -1  # an input token id no vocabulary has: the token is still on the device
+
+
 class InputBatch:
     """Block-table rows of the live sequences, in a preallocated int32 array.
 
@@ -106,92 +109,93 @@ class InputBatch:
         self._stale.discard(seq_id)
 
     def prepare(self, output: SchedulerOutput) -> HostBatch:
-        """Applies the step's row changes and computes its inputs."""
+        """Applies the step's row changes and computes its inputs.
+
+        Each per-sequence field is read in one comprehension over the step (several short
+        passes cost less in Python than one loop of appends); the rest is array arithmetic.
+        """
         for seq_id in output.freed_seq_ids:
             self._drop(seq_id)
+        scheduled = output.scheduled
         stale = self._stale
         stale |= output.changed_seq_ids
-        row_of = self._row_of
-        table = self.block_table
-        rows: list[int] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        input_ids: list[int] = []
-        logits_rows: list[int] = []
-        beam_rows: list[int] = []
-        requests: list[SamplingRequest] = []
-        sampled_seq_ids: list[int] = []
-        beam_seq_ids: list[int] = []
-        pending_rows: list[int] = []
-        pending_seq_ids: list[int] = []
-        beam_top_k = num_decodes = num_tokens = 0
-        for item in output.scheduled:
-            seq_id = item.seq_id
-            row = row_of.get(seq_id)
-            if row is None or seq_id in stale:
+        if stale:  # a sequence without a row is always among the changed ones
+            for item in [item for item in scheduled if item.seq_id in stale]:
+                row = self._row_of.get(item.seq_id)
                 if row is None:
-                    row = self._add(seq_id)
-                    table = self.block_table  # _add may have grown it
+                    row = self._add(item.seq_id)
                 blocks = item.block_table
-                table[row, : len(blocks)] = blocks
-                stale.discard(seq_id)
-            rows.append(row)
-            start, count = item.start, item.num_new_tokens
-            starts.append(start)
-            counts.append(count)
-            if count == 1:
-                num_decodes += 1
-                if start < len(item.token_ids):
-                    input_ids.append(item.token_ids[start])
-                else:  # the token the previous step sampled: still on the device
-                    pending_rows.append(num_tokens)
-                    pending_seq_ids.append(seq_id)
-                    input_ids.append(0)
-            else:
-                input_ids.extend(item.token_ids[start : start + count])
-            num_tokens += count
-            for request in item.samples:
-                logits_rows.append(num_tokens - 1)
-                requests.append(request)
-                sampled_seq_ids.append(request.seq.seq_id)
-            if item.beam_top_k:
-                beam_rows.append(num_tokens - 1)
-                beam_seq_ids.append(seq_id)
-                beam_top_k = max(beam_top_k, item.beam_top_k)
-
-        bs = self.block_size
-        rows_a = np.array(rows, dtype=np.int64)
-        query_lens = np.array(counts, dtype=np.int32)
-        seq_lens = np.array(starts, dtype=np.int32) + query_lens
-        cu_seqlens_q = np.zeros(len(rows) + 1, dtype=np.int32)
+                self.block_table[row, : len(blocks)] = blocks
+                stale.discard(item.seq_id)
+        table, row_of = self.block_table, self._row_of
+        num_seqs = len(scheduled)
+        rows = np.array([row_of[item.seq_id] for item in scheduled], dtype=np.int64)
+        query_lens = np.array([item.num_new_tokens for item in scheduled], dtype=np.int32)
+        context_lens = np.array([item.start for item in scheduled], dtype=np.int32)
+        seq_lens = context_lens + query_lens
+        cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu_seqlens_q[1:])
-        if num_tokens == len(rows):  # decodes only: a token per sequence
-            positions = seq_lens.astype(np.int64) - 1
-            token_rows = rows_a
+        num_tokens = int(cu_seqlens_q[-1])
+        num_decodes = num_seqs  # the leading run of one-token sequences
+        if num_tokens != num_seqs:
+            num_decodes = int(np.argmax(query_lens != 1))
+        # A decode's input token, or PENDING when the previous step sampled it and it is
+        # still on the device; every other sequence's chunk of tokens.
+        input_ids = np.array(
+            [
+                item.token_ids[item.start] if item.start < len(item.token_ids) else _PENDING
+                for item in scheduled[:num_decodes]
+            ] + [
+                token
+                for item in scheduled[num_decodes:]
+                for token in item.token_ids[item.start : item.start + item.num_new_tokens]
+            ],
+            dtype=np.int64,
+        )  # fmt: skip
+        pending_rows = np.flatnonzero(input_ids[:num_decodes] == _PENDING)
+        if len(pending_rows):
+            input_ids[pending_rows] = 0  # the runner fills them in on the device
+        if num_tokens == num_seqs:  # decodes only: a token per sequence
+            positions = context_lens.astype(np.int64)
+            token_rows = rows
         else:
-            seq_of_token = np.repeat(np.arange(len(rows)), query_lens)
+            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
             offsets = np.arange(num_tokens) - cu_seqlens_q[:-1][seq_of_token]
-            positions = (seq_lens - query_lens)[seq_of_token].astype(np.int64) + offsets
-            token_rows = rows_a[seq_of_token]
+            positions = context_lens[seq_of_token].astype(np.int64) + offsets
+            token_rows = rows[seq_of_token]
         # block_size is a power of two: shifts and masks, not (slow) int64 division.
+        bs = self.block_size
         shift = bs.bit_length() - 1
         blocks = table[token_rows, positions >> shift].astype(np.int64)
         slot_mapping = (blocks << shift) | (positions & (bs - 1))
-        width = -(-int(seq_lens.max()) // bs) if len(rows) else 0
+        width = -(-int(seq_lens.max()) // bs) if num_seqs else 0
+
+        # Logits rows: each sequence's last token, once per sample it feeds, then once per
+        # beam row.
+        requests = [request for item in scheduled for request in item.samples]
+        last_token = cu_seqlens_q[1:].astype(np.int64) - 1
+        if len(requests) == num_seqs and num_tokens == num_seqs:
+            logits_rows = last_token  # the steady state: every decode samples once
+        else:
+            samples_per_seq = [len(item.samples) for item in scheduled]
+            logits_rows = np.repeat(last_token, samples_per_seq)
+        beam_seqs = [k for k, item in enumerate(scheduled) if item.beam_top_k]
+        if beam_seqs:
+            logits_rows = np.concatenate((logits_rows, last_token[beam_seqs]))
         return HostBatch(
-            input_ids=np.array(input_ids, dtype=np.int64),
+            input_ids=input_ids,
             positions=positions,
             slot_mapping=slot_mapping,
             seq_lens=seq_lens,
             query_lens=query_lens,
             cu_seqlens_q=cu_seqlens_q,
-            block_tables=table[rows_a, :width],
-            logits_rows=np.array(logits_rows + beam_rows, dtype=np.int64),
+            block_tables=table[rows, :width],
+            logits_rows=logits_rows,
             requests=requests,
-            sampled_seq_ids=sampled_seq_ids,
-            beam_seq_ids=beam_seq_ids,
-            beam_top_k=beam_top_k,
+            sampled_seq_ids=[request.seq.seq_id for request in requests],
+            beam_seq_ids=[scheduled[k].seq_id for k in beam_seqs],
+            beam_top_k=max((scheduled[k].beam_top_k for k in beam_seqs), default=0),
             num_decodes=num_decodes,
-            pending_rows=np.array(pending_rows, dtype=np.int64),
-            pending_seq_ids=pending_seq_ids,
+            pending_rows=pending_rows.astype(np.int64),
+            pending_seq_ids=[scheduled[k].seq_id for k in pending_rows.tolist()],
         )
