@@ -183,6 +183,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.client.limits.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.client.limits.vocab_size
+
     def process_inputs(
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
     ) -> ProcessedPrompt:

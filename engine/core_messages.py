@@ -66,6 +66,14 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities of consecutive prompt tokens, the next ones of a request (its first
+    prompt token has none): per token, {token_id: logprob} with the prompt token first, then
+    the request's `prompt_logprobs` most likely tokens at that position."""
+
+    logprobs: list[dict[int, float]]
+
+
 class BeamResult(msgspec.Struct, array_like=True):
     """One returned hypothesis of a finished beam search (token ids; the front end decodes)."""
 
@@ -77,9 +85,10 @@ class BeamResult(msgspec.Struct, array_like=True):
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request's progress in one step. `finished` comes once, and with it the final
-    hypotheses of a beam search, or `error` when processing the request raised.
-    `first_scheduled_time` (time.monotonic(): one clock for every process of the host) comes
-    with the first token and with the end."""
+    hypotheses of a beam search, or `error` when processing the request raised. A request
+    that asked for prompt logprobs gets them chunk by chunk as its prompt is computed (in
+    outputs that may carry no tokens). `first_scheduled_time` (time.monotonic(): one clock
+    for every process of the host) comes with the first token and with the end."""
 
     request_id: str
     samples: list[SampleDelta] = []
@@ -87,6 +96,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     beams: list[BeamResult] | None = None
     first_scheduled_time: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the next prompt tokens' (in order)
 
 
 class EngineStats(msgspec.Struct, array_like=True):

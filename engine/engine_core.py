@@ -127,7 +127,8 @@ class EngineCore:
         # Async scheduling: the step launched last, applied after the next one is launched.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
         # Requests that need every token on the host before their next step is scheduled
-        # (beam search, penalties): while one runs, steps are applied before the next.
+        # (beam search, penalties; prompt logprobs, read on the host as they are computed):
+        # while one runs, steps are applied before the next.
         self._sync_only: set[str] = set()
 
     def _default_num_blocks(
@@ -177,7 +178,11 @@ class EngineCore:
         seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids, group.generators[0])
         group.seqs.append(seq)
         self._groups[request.request_id] = group
-        if group.beam is not None or group.sampling.has_penalties:
+        if (
+            group.beam is not None
+            or group.sampling.has_penalties
+            or group.sampling.prompt_logprobs is not None
+        ):
             self._sync_only.add(request.request_id)
         self.scheduler.add(group)
 
@@ -275,6 +280,15 @@ class EngineCore:
             del self._groups[group.request_id]
             self._sync_only.discard(group.request_id)
             outputs.append(self._final_output(group, samples))
+        if update.prompt_logprobs:  # with the request's output of the step, or alone
+            chunks = update.prompt_logprobs
+            for output in outputs:
+                output.prompt_logprobs = chunks.pop(output.request_id, None)
+            outputs += [
+                EngineCoreOutput(rid, prompt_logprobs=chunk)
+                for rid, chunk in chunks.items()
+                if rid in self._groups  # not aborted meanwhile
+            ]
         return outputs
 
     def _final_output(self, group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:

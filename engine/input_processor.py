@@ -87,8 +87,11 @@ class InputProcessor:
                     f"beam_width={params.beam_width} ranks more "
                     f"candidates per step than the vocabulary ({vocab}) has",
                 )
-        elif params.logprobs is not None and params.logprobs > vocab:
-            raise ParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
+        else:
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(params, name)
+                if value is not None and value > vocab:
+                    raise ParameterError(name, f"{name} must be <= the vocabulary size {vocab}")
         width = "beam_width" if isinstance(params, BeamSearchParams) else "n"
         if params.n > limits.max_num_seqs:
             raise ParameterError(

@@ -66,6 +66,9 @@ class _RequestState:
     samples: dict[int, _SampleState] = field(default_factory=dict)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Asked for: [None] (the first prompt token has none), then each chunk the core sends.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -108,9 +111,10 @@ class OutputProcessor:
     ) -> None:
         stops = params.stop_strings if isinstance(params, SamplingParams) else []
         holdback = max((len(s) for s in stops), default=1) - 1
-        self._requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, params, arrival_time, holdback
-        )
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time, holdback)
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self._requests[request_id] = state
 
     def forget(self, request_id: str) -> None:
         """Drops a request whose outputs nobody will read (its core request is gone too)."""
@@ -151,6 +155,8 @@ class OutputProcessor:
         now = time.monotonic()
         if output.first_scheduled_time is not None:
             state.first_scheduled_time = output.first_scheduled_time
+        if output.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs += output.prompt_logprobs.logprobs
         progressed: list[_SampleState] = []
         for delta in output.samples:
             sample = self._sample(state, delta.index)
@@ -180,6 +186,11 @@ class OutputProcessor:
                 self._whole(state, s) for s in sorted(state.samples.values(), key=_by_index)
             ]
         metrics = self._metrics(state, now) if finished else None
+        prompt_logprobs = state.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            state.prompt_logprobs_sent = True
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -188,6 +199,7 @@ class OutputProcessor:
             finished,
             metrics,
             output.error if finished else None,
+            prompt_logprobs,
         )
 
     def _sample(self, state: _RequestState, index: int) -> _SampleState:

@@ -68,6 +68,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed (finish_reason "error")
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then
+    # {token_id: logprob} with the prompt token first and the best tokens at its position.
+    # With RequestOutputKind.DELTA only the first output carries them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Merges a later delta output of the same request into this one (a client reading
@@ -83,3 +87,5 @@ class RequestOutput:
         self.finished = later.finished
         self.metrics = later.metrics
         self.error = later.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

@@ -54,8 +54,10 @@ class SamplingParams:
     Penalties follow vLLM: repetition_penalty (>1 discourages) acts on prompt and output tokens,
     presence/frequency penalties on output tokens only. `seed` gives the request its own random
     generator, so its tokens do not depend on what else is batched with it. `logprobs=N` returns
-    the N most likely tokens' log-probabilities (plus the sampled one) at each step. Every
-    invalid value raises ValueError naming the parameter.
+    the N most likely tokens' log-probabilities (plus the sampled one) at each step;
+    `prompt_logprobs=N` the same for every prompt token after the first (the prompt token's
+    own log-probability given the tokens before it, plus the N most likely tokens there).
+    Every invalid value raises ValueError naming the parameter.
     """
 
     n: int = 1
@@ -74,6 +76,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -138,10 +141,10 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ParameterError(
-                "logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ParameterError(name, f"{name} must be an integer >= 0, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ParameterError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

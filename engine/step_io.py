@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from octavo.engine.core.sequence import Sequence, SequenceGroup
+from octavo.engine.core_messages import PromptLogprobs
 from octavo.engine.sampling_params import SamplingParams
 
 
@@ -27,6 +28,15 @@ class SamplingRequest:
     seq: Sequence
 
 
+class PromptLogprobsSpan(msgspec.Struct, frozen=True):
+    """Positions [start, end) of a scheduled chunk whose logits score the next prompt token
+    (token p + 1 at position p), each with the `num_top` most likely tokens there."""
+
+    start: int
+    end: int
+    num_top: int
+
+
 class ScheduledSequence(msgspec.Struct, frozen=True):
     """One sequence's work in a step: tokens [start, start + num_new_tokens) of `token_ids`.
 
@@ -37,7 +47,8 @@ class ScheduledSequence(msgspec.Struct, frozen=True):
     valid for this step), `samples` (the rows sampled from the last computed position: `seq`
     itself, or `seq` and the children forked from it this step -- an n > 1 prompt is computed
     once and sampled n times) and `beam_top_k` (> 0: the position feeds beam search, which
-    needs this many best next tokens). Core fields: `group`, `seq`.
+    needs this many best next tokens), `prompt_logprobs` (positions of the chunk whose
+    prompt-token log-probabilities the request asked for). Core fields: `group`, `seq`.
 
     A msgspec Struct, never encoded: one is made for every sequence of every step, and its
     C constructor costs half a dataclass's.
@@ -52,6 +63,7 @@ class ScheduledSequence(msgspec.Struct, frozen=True):
     beam_top_k: int
     group: SequenceGroup
     seq: Sequence
+    prompt_logprobs: PromptLogprobsSpan | None = None
 
     @property
     def sample_seqs(self) -> list[Sequence]:
@@ -74,6 +86,7 @@ class SchedulerOutput:
     changed_seq_ids: set[int] = field(default_factory=set)
     freed_seq_ids: list[int] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
 
     @property
     def is_empty(self) -> bool:
@@ -117,3 +130,5 @@ class ModelRunnerOutput:
     sampled: SamplerOutput
     beam_seq_ids: list[int] = field(default_factory=list)
     beam_candidates: BeamCandidates | None = None
+    # Per sequence with a PromptLogprobsSpan this step: the span's log-probabilities.
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)

@@ -22,8 +22,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; GPT-2's tokenizer adds no special tokens either way, a
+        tokenizer.json with a post-processor may (BOS, say) when asked."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

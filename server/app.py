@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -16,17 +17,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from octavo.engine.async_engine import AsyncEngine
-from octavo.server.errors import APIError
+from octavo.server.errors import APIError, model_not_found
 from octavo.server.http_guards import BodySizeLimit, HostCheck
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import (
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from octavo.server.serving_completion import CompletionServing, ServerConfig
+from octavo.server.serving_tokenization import TokenizationServing
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     engine thread and shuts it down gracefully."""
     metrics = ServerMetrics(engine)
     serving = CompletionServing(engine, config, metrics)
+    tokenization = TokenizationServing(engine, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -101,8 +109,31 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)], responses=_errors(400, 401))
     async def models() -> ModelList:
-        card = ModelCard(id=config.served_model_name, max_model_len=serving.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[tokenization.model_card()])
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        dependencies=[Depends(check_api_key)],
+        responses=_errors(400, 401, 404),
+    )
+    async def model(model_id: str) -> ModelCard:
+        if model_id != config.served_model_name:
+            raise model_not_found(model_id)
+        return tokenization.model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)], responses=_errors(400, 401, 404))
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(request)
+
+    @app.post(
+        "/detokenize", dependencies=[Depends(check_api_key)], responses=_errors(400, 401, 404)
+    )
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=importlib.metadata.version("octavo"))
 
     @app.post(
         "/v1/completions",

@@ -115,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     config = ServerConfig(
         served_model_name=name,
+        model_root=str(args.model),
         api_key=_api_key(args.api_key),
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,

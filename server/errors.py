@@ -50,3 +50,13 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def model_not_found(model: str) -> APIError:
+    """What a request naming a model this server does not serve gets (OpenAI's 404)."""
+    return APIError(
+        HTTPStatus.NOT_FOUND,
+        f"The model `{model}` does not exist.",
+        param="model",
+        code="model_not_found",
+    )

@@ -97,7 +97,8 @@ class CompletionRequest(BaseModel):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: PositiveInt | None = 16
+    # 0 only with echo: score the prompt (prompt logprobs with `logprobs`), generate nothing.
+    max_tokens: NonNegativeInt | None = 16
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: PositiveInt = 1
@@ -196,7 +197,8 @@ class ErrorResponse(BaseModel):
 
 
 class Logprobs(BaseModel):
-    """The completions API's logprobs object (one entry per generated token)."""
+    """The completions API's logprobs object: one entry per token of the choice (with echo,
+    the prompt's tokens first; the first prompt token has null logprobs)."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -231,12 +233,35 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ModelPermission(BaseModel):
+    """OpenAI's (legacy) permission object, as vLLM fills it."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """A served model, as vLLM lists it: `root` is the checkpoint it was loaded from
+    (`vllm bench serve` without --model reads it), `parent` the base of an adapter (none)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "octavo"
+    root: str
+    parent: str | None = None
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):
@@ -250,3 +275,50 @@ _NULL_MEANS_DEFAULT = frozenset(
     for name, info in CompletionRequest.model_fields.items()
     if not info.is_required() and type(None) not in get_args(info.annotation)
 )
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt's token ids under the served model's tokenizer."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @field_validator("model", "prompt")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        _check_unicode(value, info.field_name)
+        return value
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): the text of token ids."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+    @field_validator("model")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        _check_unicode(value, info.field_name)
+        return value
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

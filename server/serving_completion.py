@@ -25,7 +25,7 @@ from octavo.engine.input_processor import ProcessedPrompt
 from octavo.engine.outputs import CompletionOutput, RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.tokenizer import Tokenizer
-from octavo.server.errors import APIError
+from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import (
     CompletionChoice,
@@ -50,6 +50,7 @@ class ServerConfig:
     bound beyond the engine's max_num_seqs); `allowed_hosts` None accepts any Host."""
 
     served_model_name: str
+    model_root: str = ""  # the checkpoint served (the model cards' `root`); "" = the name
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     shutdown_grace_seconds: float = 10.0
@@ -95,12 +96,7 @@ class CompletionServing:
 
     def _check_supported(self, request: CompletionRequest) -> None:
         if request.model != self.config.served_model_name:
-            raise APIError(
-                HTTPStatus.NOT_FOUND,
-                f"The model `{request.model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(request.model)
         max_n = self.config.max_n
         for param, value in (("n", request.n), ("best_of", request.best_of)):
             if max_n is not None and value is not None and value > max_n:
@@ -131,11 +127,11 @@ class CompletionServing:
             raise APIError(
                 HTTPStatus.BAD_REQUEST, "logit_bias is not supported", param="logit_bias"
             )
-        if request.echo and request.logprobs is not None:
+        if request.max_tokens == 0 and not request.echo:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
-                "echo with logprobs (prompt logprobs) is not supported",
-                param="logprobs",
+                "max_tokens must be >= 1 (0 only scores an echoed prompt: set echo)",
+                param="max_tokens",
             )
         if request.stream_options is not None and not request.stream:
             raise APIError(
@@ -175,8 +171,8 @@ class CompletionServing:
         try:
             if request.max_tokens is None:  # validate with a placeholder, then fill the context
                 params = self._params(request, max(request.min_tokens, 1))
-            else:
-                params = self._params(request, request.max_tokens)
+            else:  # max_tokens 0 (echo): one token is computed, none returned
+                params = self._params(request, max(request.max_tokens, 1))
             processed = self.engine.process_inputs(prompt, params)
             room = self.max_model_len - len(processed.token_ids)
             if request.max_tokens is None:
@@ -231,6 +227,8 @@ class CompletionServing:
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
             logprobs=request.logprobs,
+            # An echoed prompt's tokens get log-probabilities like the generated ones.
+            prompt_logprobs=request.logprobs if request.echo else None,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
@@ -268,18 +266,18 @@ class CompletionServing:
         except Exception as exc:
             raise _engine_error(exc) from exc
         choices = []
+        completion_tokens = 0
         for index, final in enumerate(finals):
             assert final is not None and final.finished
             if final.metrics is not None:
                 self.metrics.observe_finished(final.metrics)
             for completion in final.outputs:
-                text = completion.text
+                delta = self._returned(completion, request)
+                completion_tokens += len(delta.token_ids)
                 if request.echo:
-                    text = self._prompt_text(final) + text
-                delta = Delta(completion.text, completion.token_ids, completion.logprobs, 0)
+                    delta = self._with_prompt(final, delta)
                 choice_index = index * request.n + completion.index
-                choices.append(self._choice(choice_index, text, delta, completion, request))
-        completion_tokens = sum(len(c.token_ids) for f in finals if f for c in f.outputs)
+                choices.append(self._choice(choice_index, delta, completion, request))
         return CompletionResponse(
             id=request_id,
             model=self.config.served_model_name,
@@ -290,7 +288,9 @@ class CompletionServing:
     async def _stream(self, request_id, request, prompts, streams) -> AsyncIterator[str]:
         """One event per delta output of each choice (the engine holds back text that could
         still turn out to be a stop string), an optional usage event, then [DONE]."""
-        text_offsets: dict[int, int] = {}  # choice -> characters sent so far
+        # Per choice, where its next token's text starts in its logprobs text (the token
+        # texts laid end to end, as in a whole response: held-back text does not shift it).
+        text_offsets: dict[int, int] = {}
         completion_tokens = 0
         created = int(time.time())
         try:
@@ -298,20 +298,22 @@ class CompletionServing:
                 for completion in output.outputs:
                     choice_index = index * request.n + completion.index
                     first = choice_index not in text_offsets
-                    offset = text_offsets.get(choice_index, 0)
-                    delta = Delta(
-                        completion.text, completion.token_ids, completion.logprobs, offset
-                    )
-                    text_offsets[choice_index] = offset + len(completion.text)
-                    completion_tokens += len(completion.token_ids)
-                    text = delta.text
+                    delta = self._returned(completion, request)
+                    completion_tokens += len(delta.token_ids)
                     if request.echo and first:
-                        text = self._prompt_text(output) + text
+                        delta = self._with_prompt(output, delta)
+                    delta.text_offset = text_offsets.get(choice_index, 0)
+                    choice = self._choice(choice_index, delta, completion, request)
+                    text_offsets[choice_index] = delta.text_offset
+                    if choice.logprobs is not None and choice.logprobs.tokens:
+                        text_offsets[choice_index] = choice.logprobs.text_offset[-1] + len(
+                            choice.logprobs.tokens[-1]
+                        )
                     chunk = CompletionResponse(
                         id=request_id,
                         created=created,
                         model=self.config.served_model_name,
-                        choices=[self._choice(choice_index, text, delta, completion, request)],
+                        choices=[choice],
                     )
                     yield sse_event(chunk)
                 if output.finished and output.metrics is not None:
@@ -330,17 +332,41 @@ class CompletionServing:
             yield sse_event(_engine_error(exc).body())
         yield SSE_DONE
 
+    @staticmethod
+    def _returned(completion: CompletionOutput, request: CompletionRequest) -> Delta:
+        """What of a completion (output) the client gets: all of it, or nothing when
+        max_tokens is 0 (an echoed prompt scored, its computed token dropped)."""
+        if request.max_tokens == 0:
+            return Delta("", [], [] if request.logprobs is not None else None, 0)
+        logprobs = completion.logprobs
+        return Delta(
+            completion.text, completion.token_ids, None if logprobs is None else [*logprobs], 0
+        )
+
+    def _with_prompt(self, output: RequestOutput, delta: Delta) -> Delta:
+        """`delta` after the echoed prompt: its text, and its tokens with their
+        log-probabilities when asked for (the first prompt token has none)."""
+        logprobs = None
+        if delta.logprobs is not None:
+            prompt = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+            logprobs = [*prompt, *delta.logprobs]
+        return Delta(
+            self._prompt_text(output) + delta.text,
+            [*output.prompt_token_ids, *delta.token_ids],
+            logprobs,
+            delta.text_offset,
+        )
+
     def _choice(
         self,
         index: int,
-        text: str,
         delta: Delta,
         completion: CompletionOutput,
         request: CompletionRequest,
     ) -> CompletionChoice:
         return CompletionChoice(
             index=index,
-            text=text,
+            text=delta.text,
             logprobs=self._logprobs(delta) if request.logprobs is not None else None,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
@@ -406,14 +432,20 @@ class CompletionServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _logprobs(self, delta: Delta) -> Logprobs:
+        """OpenAI's per-token lists; a token's text_offset is where its text starts when the
+        choice's token texts are laid end to end, from `delta.text_offset`."""
         result = Logprobs()
         offset = delta.text_offset
         for i, token in enumerate(delta.token_ids):
             entry = delta.logprobs[i] if delta.logprobs is not None else {}
             text = self._token_text(token)
             result.tokens.append(text)
-            result.token_logprobs.append(entry.get(token))
-            result.top_logprobs.append({self._token_text(t): v for t, v in entry.items()})
+            if entry is None:  # the first prompt token: nothing scored it
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                result.token_logprobs.append(entry.get(token))
+                result.top_logprobs.append({self._token_text(t): v for t, v in entry.items()})
             result.text_offset.append(offset)
             offset += len(text)
         return result

@@ -20,5 +20,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    text_offset: int  # where `text` starts in the choice's full text
+    # Per token {token_id: logprob}, the token first; None for a token without any (the
+    # first of an echoed prompt). None as a whole when logprobs were not asked for.
+    logprobs: list[dict[int, float] | None] | None
+    text_offset: int  # where the first token's text starts in the choice's logprobs text

@@ -6,16 +6,17 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
-from octavo.engine.core_messages import EngineCoreOutput, SampleDelta
+from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import (
     ModelRunnerOutput,
+    PromptLogprobsSpan,
     SamplingRequest,
     ScheduledSequence,
     SchedulerOutput,
@@ -29,10 +30,13 @@ class SchedulerUpdate:
     """What a step's results did to the requests. `progressed`: the output of each sampling
     request that gained tokens and goes on. `finished`: each request that finished during the
     step (a stop rule, a failure -- `group.error` -- or a beam search's end), with the deltas
-    of its samples that gained a token (a failed or beam search request has none here)."""
+    of its samples that gained a token (a failed or beam search request has none here).
+    `prompt_logprobs`: what the step computed of each request's prompt logprobs."""
 
     progressed: list[EngineCoreOutput]
     finished: list[tuple[SequenceGroup, list[SampleDelta]]]
+    # Prompt-token log-probabilities the step computed, by request id.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._num_running_seqs: int | None = None  # None: to be recounted
         self._sample_rows: dict[int, tuple[SamplingRequest]] = {}  # see _sample_row
+        self._num_prompt_logprobs_spans = 0  # in the step being scheduled
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
 
     def new_seq_id(self) -> int:
@@ -138,6 +143,7 @@ class Scheduler:
         """Plans one step and advances every scheduled sequence's `num_computed_tokens` past
         the tokens it schedules (their K/V are in the cache once the step has run)."""
         budget = self.config.max_num_batched_tokens
+        self._num_prompt_logprobs_spans = 0
         decodes: list[ScheduledSequence] = []  # one query token: first in the batch
         prefills: list[ScheduledSequence] = []
         preempted: list[SequenceGroup] = []
@@ -218,12 +224,14 @@ class Scheduler:
         changed, freed = self.block_manager.take_changes()
         for seq_id in freed:
             sample_rows.pop(seq_id, None)
+        scheduled = decodes + prefills
         return SchedulerOutput(
-            scheduled=decodes + prefills,
+            scheduled=scheduled,
             blocks_to_copy=self.block_manager.take_copies(),
             changed_seq_ids=changed,
             freed_seq_ids=freed,
             preempted=preempted,
+            has_prompt_logprobs=self._num_prompt_logprobs_spans > 0,
         )
 
     def _decode_in_place(
@@ -346,10 +354,27 @@ class Scheduler:
                 self._share_recomputed_prompt(group, seq)
             item = ScheduledSequence(
                 seq.seq_id, seq.token_ids, start, num_new, bm.block_tables[seq.seq_id],
-                samples, top_k, group, seq,
+                samples, top_k, group, seq, self._prompt_logprobs_span(group, start, num_new),
             )  # fmt: skip
             (decodes if num_new == 1 else prefills).append(item)
         return sum(n for _, n in plan)
+
+    def _prompt_logprobs_span(
+        self, group: SequenceGroup, start: int, num_new: int
+    ) -> PromptLogprobsSpan | None:
+        """The positions of a chunk [start, start + num_new) that score prompt tokens the
+        request has not had log-probabilities for (position p scores token p + 1; the last
+        prompt position scores the first output token instead)."""
+        params = group.sampling_params
+        if not isinstance(params, SamplingParams) or params.prompt_logprobs is None:
+            return None
+        first = max(start, group.prompt_logprobs_next)
+        end = min(start + num_new, len(group.prompt_token_ids) - 1)
+        if end <= first:
+            return None
+        group.prompt_logprobs_next = end
+        self._num_prompt_logprobs_spans += 1
+        return PromptLogprobsSpan(first, end, params.prompt_logprobs)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         children = []
@@ -460,6 +485,11 @@ class Scheduler:
                 entry[1].append(delta)
         if row != len(seq_ids):
             raise AssertionError(f"{len(seq_ids)} rows for {row} sampled sequences")
+        if result.prompt_logprobs:
+            for item in output.scheduled:
+                chunk = result.prompt_logprobs.get(item.seq_id)
+                if chunk is not None and item.group.error is None:
+                    update.prompt_logprobs[item.group.request_id] = chunk
         self.num_generation_tokens += len(seq_ids)
         for group, deltas, first in gathered.values():
             if group.is_finished:

@@ -139,6 +139,9 @@ class SequenceGroup:
     # run for those alone.
     stop_token_screen: frozenset[int] = frozenset()
     max_num_tokens: int = 0
+    # Prompt logprobs: positions below this were scheduled for them already (a recompute
+    # after preemption does not score them again).
+    prompt_logprobs_next: int = 0
     generators: list[torch.Generator | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@ one step's inputs computed from them with array operations."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ class HostBatch:
     num_decodes: int  # leading sequences with one query token
     pending_rows: np.ndarray
     pending_seq_ids: list[int]
+    prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -47,14 +48,26 @@ class HostBatch:
 
     @property
     def is_graph_decode(self) -> bool:
-        """Every sequence decodes one token and its logits row is its own, in order: the
-        shape a captured decode graph computes."""
+        """Every sequence decodes one token and its logits row is its own, in order (and no
+        prompt logprobs want other rows): the shape a captured decode graph computes."""
         num_seqs = self.num_seqs
         return (
-            self.num_decodes == num_seqs
+            not self.prompt_logprobs
+            and self.num_decodes == num_seqs
             and len(self.logits_rows) == num_seqs
             and bool((self.logits_rows == np.arange(num_seqs)).all())
         )
+
+
+@dataclass
+class PromptLogprobsRows:
+    """Token indices `rows` of a step whose logits score the prompt tokens `targets` of
+    sequence `seq_id`, each with the `num_top` most likely tokens."""
+
+    seq_id: int
+    rows: np.ndarray
+    targets: np.ndarray
+    num_top: int
 
 
 @dataclass
@@ -198,4 +211,22 @@ class InputBatch:
             num_decodes=num_decodes,
             pending_rows=pending_rows.astype(np.int64),
             pending_seq_ids=[scheduled[k].seq_id for k in pending_rows.tolist()],
+            prompt_logprobs=self._prompt_logprobs(output, cu_seqlens_q),
         )
+
+    @staticmethod
+    def _prompt_logprobs(
+        output: SchedulerOutput, cu_seqlens_q: np.ndarray
+    ) -> list[PromptLogprobsRows]:
+        if not output.has_prompt_logprobs:
+            return []
+        found = []
+        for k, item in enumerate(output.scheduled):
+            span = item.prompt_logprobs
+            if span is None:
+                continue
+            first_row = int(cu_seqlens_q[k]) + span.start - item.start
+            rows = np.arange(first_row, first_row + span.end - span.start, dtype=np.int64)
+            targets = np.array(item.token_ids[span.start + 1 : span.end + 1], dtype=np.int64)
+            found.append(PromptLogprobsRows(item.seq_id, rows, targets, span.num_top))
+        return found

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from octavo.engine.core_messages import PromptLogprobs
 from octavo.engine.step_io import (
     BeamCandidates,
     ModelRunnerOutput,
@@ -16,6 +19,34 @@ from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.sampler import SampledTokens, Sampler
+
+# Prompt logprobs are reduced this many positions at a time (a pass holds [rows, vocab]
+# float32 logits twice: 100 MB for GPT-2's vocabulary).
+PROMPT_LOGPROBS_ROWS_PER_PASS = 256
+
+
+@dataclass
+class TopLogprobs:
+    """Per position (on the device): the token that came, its log-probability, and the
+    best tokens there, best first (`top_ids` / `top_values` [positions, k])."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> PromptLogprobs:
+        """{token_id: logprob} per position, the token that came first."""
+        entries = []
+        for token, logprob, values, ids in zip(
+            self.token_ids.tolist(), self.logprobs.tolist(), self.top_values.tolist(),
+            self.top_ids.tolist(), strict=True,
+        ):  # fmt: skip
+            entry = {token: logprob}
+            for top_id, value in zip(ids, values, strict=True):
+                entry.setdefault(top_id, value)
+            entries.append(entry)
+        return PromptLogprobs(entries)
 
 
 class StepFuture:
@@ -29,8 +60,12 @@ class StepFuture:
         sampled: SampledTokens | None,
         beam_seq_ids: list[int],
         candidates: tuple[torch.Tensor, torch.Tensor] | None,
+        prompt_logprobs: dict[int, TopLogprobs] | None = None,
     ):
         self.sampled_seq_ids = sampled_seq_ids
+        # Read with a blocking copy in result(): requests that ask for prompt logprobs run
+        # without the one-step lag (the core applies their steps before the next).
+        self._prompt_logprobs = prompt_logprobs or {}
         self.beam_seq_ids = beam_seq_ids
         tensors = [] if sampled is None else sampled.tensors
         num_sampled = len(tensors)
@@ -55,7 +90,10 @@ class StepFuture:
         if self._candidates:
             values, token_ids = self._candidates
             candidates = BeamCandidates(values, token_ids)
-        return ModelRunnerOutput(self.sampled_seq_ids, sampled, self.beam_seq_ids, candidates)
+        prompt = {seq_id: top.to_host() for seq_id, top in self._prompt_logprobs.items()}
+        return ModelRunnerOutput(
+            self.sampled_seq_ids, sampled, self.beam_seq_ids, candidates, prompt
+        )
 
 
 class ModelRunner:
@@ -130,11 +168,12 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_cache, self._to_device("copies", pairs))
         batch = self.input_batch.prepare(output)
         pending = self._pending_inputs(batch)
-        if not len(batch.logits_rows):
-            self._forward(batch, pending)  # a step of prefill chunks that sample nothing yet
+        if not len(batch.logits_rows):  # a step of prefill chunks that sample nothing yet
+            hidden = self._forward(batch, pending)
             self._last_sampled = None
-            return StepFuture([], None, [], None)
+            return StepFuture([], None, [], None, self._prompt_logprobs(hidden, batch))
         graph_decode = batch.is_graph_decode
+        prompt_logprobs: dict[int, TopLogprobs] = {}  # never in a graph's decode batch
         if (
             self.graphs is not None
             and graph_decode
@@ -143,6 +182,7 @@ class ModelRunner:
             logits = self.graphs.run(batch, pending)
         else:
             hidden = self._forward(batch, pending)
+            prompt_logprobs = self._prompt_logprobs(hidden, batch)
             if not graph_decode:  # every row's logits, in order, need no gather
                 hidden = hidden[self._to_device("logits_rows", batch.logits_rows)]
             logits = self.model.compute_logits(hidden)
@@ -157,7 +197,28 @@ class ModelRunner:
         if batch.beam_seq_ids:
             logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
             candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
-        return StepFuture(batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates)
+        return StepFuture(
+            batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates, prompt_logprobs
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: HostBatch) -> dict[int, TopLogprobs]:
+        """Each span's prompt-token log-probabilities and best tokens, from the step's hidden
+        states [T, D], reduced PROMPT_LOGPROBS_ROWS_PER_PASS rows at a time: a whole prompt's
+        [rows, vocab] logits are never held at once."""
+        found: dict[int, TopLogprobs] = {}
+        for span in batch.prompt_logprobs:
+            parts = []
+            for at in range(0, len(span.rows), PROMPT_LOGPROBS_ROWS_PER_PASS):
+                end = at + PROMPT_LOGPROBS_ROWS_PER_PASS
+                rows = self._to_device("prompt_rows", span.rows[at:end])
+                targets = self._to_device("prompt_targets", span.targets[at:end])
+                logits = self.model.compute_logits(hidden[rows]).float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+                top = logprobs.topk(min(span.num_top, logprobs.shape[1]), dim=-1)
+                parts.append((targets, chosen, top.values, top.indices))
+            found[span.seq_id] = TopLogprobs(*(torch.cat(p) for p in zip(*parts, strict=True)))
+        return found
 
     def _pending_inputs(self, batch: HostBatch) -> PendingInputs | None:
         """Where the step's unknown input tokens go and where the previous step left them."""

@@ -1,0 +1,69 @@
+"""POST /tokenize and POST /detokenize (vLLM's tokenization endpoints), and the model card."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.tokenizer import Tokenizer
+from octavo.server.errors import APIError, model_not_found
+from octavo.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from octavo.server.serving_completion import ServerConfig
+
+
+class TokenizationServing:
+    """Text <-> token ids with the served model's tokenizer, as the engine sees them."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.config.served_model_name,
+            root=self.config.model_root or self.config.served_model_name,
+            max_model_len=self.engine.max_model_len,
+        )
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        tokenizer = self._tokenizer(request.model, "prompt")
+        tokens = tokenizer.encode(request.prompt, request.add_special_tokens)
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+        return TokenizeResponse(
+            count=len(tokens),
+            max_model_len=self.engine.max_model_len,
+            tokens=tokens,
+            token_strs=token_strs,
+        )
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        tokenizer = self._tokenizer(request.model, "tokens")
+        vocab = self.engine.vocab_size
+        bad = [t for t in request.tokens if t >= vocab]
+        if bad:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"tokens must be in [0, {vocab}), got {bad[:4]}",
+                param="tokens",
+            )
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+    def _tokenizer(self, model: str | None, param: str) -> Tokenizer:
+        if model is not None and model != self.config.served_model_name:
+            raise model_not_found(model)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "the served model has no tokenizer (tokenizer.json): send token ids",
+                param=param,
+            )
+        return tokenizer
