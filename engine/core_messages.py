@@ -69,9 +69,11 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 class PromptLogprobs(msgspec.Struct, array_like=True):
     """Log-probabilities of consecutive prompt tokens, the next ones of a request (its first
     prompt token has none): per token, {token_id: logprob} with the prompt token first, then
-    the request's `prompt_logprobs` most likely tokens at that position."""
+    the request's `prompt_logprobs` most likely tokens at that position; and the prompt
+    token's rank there (1: the most likely token; the best tokens rank 1, 2, ...)."""
 
     logprobs: list[dict[int, float]]
+    ranks: list[int]
 
 
 class BeamResult(msgspec.Struct, array_like=True):

@@ -68,6 +68,7 @@ class _RequestState:
     first_token_time: float | None = None
     # Asked for: [None] (the first prompt token has none), then each chunk the core sends.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
 
     @property
@@ -113,7 +114,7 @@ class OutputProcessor:
         holdback = max((len(s) for s in stops), default=1) - 1
         state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time, holdback)
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            state.prompt_logprobs = [None]
+            state.prompt_logprobs, state.prompt_token_ranks = [None], [None]
         self._requests[request_id] = state
 
     def forget(self, request_id: str) -> None:
@@ -155,8 +156,11 @@ class OutputProcessor:
         now = time.monotonic()
         if output.first_scheduled_time is not None:
             state.first_scheduled_time = output.first_scheduled_time
-        if output.prompt_logprobs is not None and state.prompt_logprobs is not None:
-            state.prompt_logprobs += output.prompt_logprobs.logprobs
+        chunk = output.prompt_logprobs
+        if chunk is not None and state.prompt_logprobs is not None:
+            assert state.prompt_token_ranks is not None
+            state.prompt_logprobs += chunk.logprobs
+            state.prompt_token_ranks += chunk.ranks
         progressed: list[_SampleState] = []
         for delta in output.samples:
             sample = self._sample(state, delta.index)
@@ -186,10 +190,10 @@ class OutputProcessor:
                 self._whole(state, s) for s in sorted(state.samples.values(), key=_by_index)
             ]
         metrics = self._metrics(state, now) if finished else None
-        prompt_logprobs = state.prompt_logprobs
+        prompt_logprobs, ranks = state.prompt_logprobs, state.prompt_token_ranks
         if kind is RequestOutputKind.DELTA:
             if state.prompt_logprobs_sent:
-                prompt_logprobs = None
+                prompt_logprobs = ranks = None
             state.prompt_logprobs_sent = True
         return RequestOutput(
             state.request_id,
@@ -200,6 +204,7 @@ class OutputProcessor:
             metrics,
             output.error if finished else None,
             prompt_logprobs,
+            ranks,
         )
 
     def _sample(self, state: _RequestState, index: int) -> _SampleState:

@@ -70,8 +70,10 @@ class RequestOutput:
     error: str | None = None  # set when the request failed (finish_reason "error")
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, then
     # {token_id: logprob} with the prompt token first and the best tokens at its position.
-    # With RequestOutputKind.DELTA only the first output carries them.
+    # With RequestOutputKind.DELTA only the first output carries them. The prompt tokens'
+    # ranks among the vocabulary at their positions (1: the most likely; None first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Merges a later delta output of the same request into this one (a client reading
@@ -89,3 +91,4 @@ class RequestOutput:
         self.error = later.error
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+            self.prompt_token_ranks = later.prompt_token_ranks

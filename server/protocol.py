@@ -32,7 +32,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # Fields of vLLM's CompletionRequest that Octavo does not implement yet: a request that sets
 # one gets a 400 naming it rather than an answer that silently ignored it.
 UNSUPPORTED_VLLM_FIELDS = (
-    "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "response_format", "structured_outputs", "logits_processors", "spaces_between_special_tokens",
     "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "priority",
@@ -79,6 +79,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
+    continuous_usage_stats: bool = False
 
 
 class CompletionRequest(BaseModel):
@@ -106,6 +108,8 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: LogprobsCount | None = None
     echo: bool = False
+    # vLLM's: each prompt token's log-probability, rank and this many best tokens.
+    prompt_logprobs: LogprobsCount | None = None
     stop: str | list[str] | None = Field(default=None)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -206,12 +210,24 @@ class Logprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's log-probability at a prompt position, its rank there
+    (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # prompt_logprobs (vLLM's shape): per prompt token, null for the first, then
+    # {token id: PromptLogprob} for the prompt token and the best tokens at its position.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Usage(BaseModel):

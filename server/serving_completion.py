@@ -32,6 +32,7 @@ from octavo.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Logprobs,
+    PromptLogprob,
     Usage,
     completion_id,
 )
@@ -133,6 +134,15 @@ class CompletionServing:
                 "max_tokens must be >= 1 (0 only scores an echoed prompt: set echo)",
                 param="max_tokens",
             )
+        echo_logprobs = request.logprobs if request.echo else None
+        if None not in (request.prompt_logprobs, echo_logprobs) and (
+            request.prompt_logprobs != echo_logprobs
+        ):
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "prompt_logprobs must equal logprobs when echo scores the prompt too",
+                param="prompt_logprobs",
+            )
         if request.stream_options is not None and not request.stream:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
@@ -147,6 +157,7 @@ class CompletionServing:
         unsupported = [
             ("stream", request.stream),
             ("logprobs", request.logprobs is not None),
+            ("prompt_logprobs", request.prompt_logprobs is not None),
             ("stop", bool(request.stop)),
         ]
         for param, present in unsupported:
@@ -228,7 +239,13 @@ class CompletionServing:
             min_tokens=request.min_tokens,
             logprobs=request.logprobs,
             # An echoed prompt's tokens get log-probabilities like the generated ones.
-            prompt_logprobs=request.logprobs if request.echo else None,
+            prompt_logprobs=(
+                request.prompt_logprobs
+                if request.prompt_logprobs is not None
+                else request.logprobs
+                if request.echo
+                else None
+            ),
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
@@ -277,7 +294,9 @@ class CompletionServing:
                 if request.echo:
                     delta = self._with_prompt(final, delta)
                 choice_index = index * request.n + completion.index
-                choices.append(self._choice(choice_index, delta, completion, request))
+                choice = self._choice(choice_index, delta, completion, request)
+                choice.prompt_logprobs = self._prompt_logprobs(final, request)
+                choices.append(choice)
         return CompletionResponse(
             id=request_id,
             model=self.config.served_model_name,
@@ -292,6 +311,10 @@ class CompletionServing:
         # texts laid end to end, as in a whole response: held-back text does not shift it).
         text_offsets: dict[int, int] = {}
         completion_tokens = 0
+        choice_tokens: dict[int, int] = {}  # completion tokens per choice (continuous usage)
+        options = request.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         created = int(time.time())
         try:
             async for index, output in self._timed(self._merge(streams)):
@@ -300,10 +323,15 @@ class CompletionServing:
                     first = choice_index not in text_offsets
                     delta = self._returned(completion, request)
                     completion_tokens += len(delta.token_ids)
+                    choice_tokens[choice_index] = choice_tokens.get(choice_index, 0) + len(
+                        delta.token_ids
+                    )
                     if request.echo and first:
                         delta = self._with_prompt(output, delta)
                     delta.text_offset = text_offsets.get(choice_index, 0)
                     choice = self._choice(choice_index, delta, completion, request)
+                    if first:
+                        choice.prompt_logprobs = self._prompt_logprobs(output, request)
                     text_offsets[choice_index] = delta.text_offset
                     if choice.logprobs is not None and choice.logprobs.tokens:
                         text_offsets[choice_index] = choice.logprobs.text_offset[-1] + len(
@@ -315,10 +343,17 @@ class CompletionServing:
                         model=self.config.served_model_name,
                         choices=[choice],
                     )
+                    if continuous_usage:
+                        prompt_tokens = len(output.prompt_token_ids)
+                        chunk.usage = Usage(
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=choice_tokens[choice_index],
+                            total_tokens=prompt_tokens + choice_tokens[choice_index],
+                        )
                     yield sse_event(chunk)
                 if output.finished and output.metrics is not None:
                     self.metrics.observe_finished(output.metrics)
-            if request.stream_options is not None and request.stream_options.include_usage:
+            if include_usage:
                 yield sse_event(
                     CompletionResponse(
                         id=request_id,
@@ -430,6 +465,34 @@ class CompletionServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_logprobs(
+        self, output: RequestOutput, request: CompletionRequest
+    ) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's prompt_logprobs of a choice, when the request asked for them: the prompt
+        token with its rank, then the best tokens, ranked 1, 2, ... (skipping the prompt
+        token's own rank when it is among them)."""
+        if request.prompt_logprobs is None:
+            return None
+        entries, ranks = output.prompt_logprobs, output.prompt_token_ranks
+        assert entries is not None and ranks is not None, "asked for, so computed"
+        result: list[dict[str, PromptLogprob] | None] = []
+        for entry, token_rank in zip(entries, ranks, strict=True):
+            if entry is None or token_rank is None:
+                result.append(None)
+                continue
+            prompt_token, *best = entry
+            scored = {str(prompt_token): self._scored(prompt_token, entry, token_rank)}
+            rank = 1
+            for token in best:
+                rank += rank == token_rank  # that place is the prompt token's
+                scored[str(token)] = self._scored(token, entry, rank)
+                rank += 1
+            result.append(scored)
+        return result
+
+    def _scored(self, token: int, entry: dict[int, float], rank: int) -> PromptLogprob:
+        return PromptLogprob(logprob=entry[token], rank=rank, decoded_token=self._token_text(token))
 
     def _logprobs(self, delta: Delta) -> Logprobs:
         """OpenAI's per-token lists; a token's text_offset is where its text starts when the

@@ -27,16 +27,18 @@ PROMPT_LOGPROBS_ROWS_PER_PASS = 256
 
 @dataclass
 class TopLogprobs:
-    """Per position (on the device): the token that came, its log-probability, and the
-    best tokens there, best first (`top_ids` / `top_values` [positions, k])."""
+    """Per position (on the device): the token that came, its log-probability and rank
+    among the vocabulary (1: the most likely), and the best tokens there, best first
+    (`top_ids` / `top_values` [positions, k])."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
+    ranks: torch.Tensor
     top_values: torch.Tensor
     top_ids: torch.Tensor
 
     def to_host(self) -> PromptLogprobs:
-        """{token_id: logprob} per position, the token that came first."""
+        """{token_id: logprob} per position, the token that came first, and its rank."""
         entries = []
         for token, logprob, values, ids in zip(
             self.token_ids.tolist(), self.logprobs.tolist(), self.top_values.tolist(),
@@ -46,7 +48,7 @@ class TopLogprobs:
             for top_id, value in zip(ids, values, strict=True):
                 entry.setdefault(top_id, value)
             entries.append(entry)
-        return PromptLogprobs(entries)
+        return PromptLogprobs(entries, self.ranks.tolist())
 
 
 class StepFuture:
@@ -214,9 +216,10 @@ class ModelRunner:
                 targets = self._to_device("prompt_targets", span.targets[at:end])
                 logits = self.model.compute_logits(hidden[rows]).float()
                 logprobs = torch.log_softmax(logits, dim=-1)
-                chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+                chosen = logprobs.gather(1, targets[:, None])
+                ranks = (logprobs > chosen).sum(dim=-1) + 1  # 1 = the most likely token
                 top = logprobs.topk(min(span.num_top, logprobs.shape[1]), dim=-1)
-                parts.append((targets, chosen, top.values, top.indices))
+                parts.append((targets, chosen.squeeze(1), ranks, top.values, top.indices))
             found[span.seq_id] = TopLogprobs(*(torch.cat(p) for p in zip(*parts, strict=True)))
         return found
 

@@ -34,10 +34,12 @@ def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]
 
 
-def check_against_hf(hf_model, prompt: list[int], got: list[dict[int, float] | None]) -> None:
-    assert len(got) == len(prompt) and got[0] is None
+def check_against_hf(hf_model, prompt: list[int], output) -> None:
+    """`output.prompt_logprobs` and `prompt_token_ranks` against HF's, position by position."""
+    got, ranks = output.prompt_logprobs, output.prompt_token_ranks
+    assert len(got) == len(ranks) == len(prompt) and got[0] is None and ranks[0] is None
     expected = hf_prompt_logprobs(hf_model, prompt)
-    for position, entry in enumerate(got[1:]):
+    for position, (entry, rank) in enumerate(zip(got[1:], ranks[1:], strict=True)):
         want = expected[position]
         token = prompt[position + 1]
         assert entry is not None and next(iter(entry)) == token  # the prompt token first
@@ -45,6 +47,9 @@ def check_against_hf(hf_model, prompt: list[int], got: list[dict[int, float] | N
         assert set(entry) == {token, *top}, f"position {position + 1}"
         for token_id, value in entry.items():
             assert value == pytest.approx(want[token_id].item(), abs=1e-4)
+        # Tokens within float noise of the prompt token's value may rank either way.
+        value = want[token].item()
+        assert int((want > value + 1e-4).sum()) + 1 <= rank <= int((want > value - 1e-4).sum()) + 1
 
 
 def engine_for(folder: str, **overrides) -> LLMEngine:
@@ -78,7 +83,7 @@ def test_prompt_logprobs_equal_hf_log_softmax(model, overrides):
         if i % 2:
             assert output.prompt_logprobs is None
         else:
-            check_against_hf(hf_model, prompt, output.prompt_logprobs)
+            check_against_hf(hf_model, prompt, output)
     if "num_blocks" in overrides:
         assert engine.stats().num_preemptions > 0
 
@@ -89,7 +94,7 @@ def test_n_samples_share_one_prompt_scoring(tiny_model_dir, hf_tiny):
     params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=4, prompt_logprobs=NUM_TOP)
     (output,) = run_to_completion(engine, [prompt], params)
     assert len(output.outputs) == 3
-    check_against_hf(hf_tiny, prompt, output.prompt_logprobs)
+    check_against_hf(hf_tiny, prompt, output)
 
 
 def test_zero_top_tokens_gives_the_prompt_tokens_alone(tiny_model_dir, hf_tiny):
@@ -103,6 +108,7 @@ def test_zero_top_tokens_gives_the_prompt_tokens_alone(tiny_model_dir, hf_tiny):
         token = prompt[position + 1]
         assert list(entry) == [token]
         assert entry[token] == pytest.approx(expected[position, token].item(), abs=1e-4)
+    assert len(output.prompt_token_ranks) == len(prompt)
 
 
 def test_streamed_deltas_carry_the_prompt_logprobs_once(tiny_model_dir, hf_tiny):
@@ -116,7 +122,7 @@ def test_streamed_deltas_carry_the_prompt_logprobs_once(tiny_model_dir, hf_tiny)
     engine.add_request("r", prompt, params)
     carried = []
     while engine.has_unfinished_requests():
-        carried += [o.prompt_logprobs for o in engine.step()]
+        carried += engine.step()
     assert len(carried) == 5  # one output per token: prompt chunks alone make none
-    assert all(c is None for c in carried[1:])
+    assert all(o.prompt_logprobs is None and o.prompt_token_ranks is None for o in carried[1:])
     check_against_hf(hf_tiny, prompt, carried[0])

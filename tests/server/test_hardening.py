@@ -71,7 +71,9 @@ def test_extreme_length_penalties_finish_and_the_engine_lives(server, length_pen
         (b'{"model": "tiny", "prompt": "x", "max_tokens": true}', "max_tokens"),
         (b'{"model": "tiny", "prompt": "x", "n": 2.5}', "n"),
         (b'{"model": "tiny", "prompt": [1, 2.5]}', "prompt"),
-        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 1}', "prompt_logprobs"),
+        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
+        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
+        (b'{"model": "tiny", "prompt": "x", "allowed_token_ids": [1]}', "allowed_token_ids"),
         (b'{"model": "tiny", "prompt": "x", "guided_json": {}}', "guided_json"),
     ],
 )

@@ -130,3 +130,59 @@ def test_streamed_logprobs_equal_the_whole_response(server, body):
     assert merged["text_offset"] == whole["logprobs"]["text_offset"]
     assert merged["token_logprobs"] == pytest.approx(whole["logprobs"]["token_logprobs"])
     assert len(set(merged["text_offset"])) == len(merged["text_offset"]) > 5
+
+
+def test_vllm_prompt_logprobs_field(server, hf_tiny):
+    out = complete(server, prompt=PROMPT_IDS, prompt_logprobs=2, max_tokens=2, temperature=0)
+    choice = out["choices"][0]
+    assert choice["logprobs"] is None  # generation logprobs were not asked for
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(PROMPT_IDS) and scored[0] is None
+    expected = hf_logprobs(hf_tiny, PROMPT_IDS)
+    for position in range(1, len(PROMPT_IDS)):
+        want = expected[position - 1]
+        entry = scored[position]
+        token = PROMPT_IDS[position]
+        assert next(iter(entry)) == str(token)
+        best = want.topk(2).indices.tolist()
+        assert set(entry) == {str(token), *map(str, best)}
+        for token_id, item in entry.items():
+            assert set(item) == {"logprob", "rank", "decoded_token"}
+            assert item["logprob"] == pytest.approx(want[int(token_id)].item(), abs=1e-4)
+            assert item["rank"] == int((want > want[int(token_id)]).sum()) + 1
+    # Streamed, the first chunk carries them; the others do not.
+    _, events = read_events(
+        server.base_url,
+        {"model": MODEL_NAME, "prompt": PROMPT_IDS, "prompt_logprobs": 2, "max_tokens": 3,
+         "temperature": 0, "stream": True},
+    )  # fmt: skip
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-2]]
+    assert chunks[0]["prompt_logprobs"] == scored
+    assert all(c["prompt_logprobs"] is None for c in chunks[1:])
+
+
+def test_prompt_logprobs_must_agree_with_echoed_logprobs(server):
+    body = {"model": MODEL_NAME, "prompt": "x y", "echo": True, "logprobs": 1, "prompt_logprobs": 3}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_continuous_usage_stats_count_each_choice(server):
+    body = {
+        "model": MODEL_NAME, "prompt": "Lists are", "max_tokens": 5, "n": 2, "seed": 3,
+        "ignore_eos": True, "stream": True, "logprobs": 0,  # logprobs: tokens per chunk
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    _, events = read_events(server.base_url, body)
+    *deltas, final = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    tokens: dict[int, int] = {}
+    for chunk in deltas:
+        choice = chunk["choices"][0]
+        tokens[choice["index"]] = tokens.get(choice["index"], 0) + len(choice["logprobs"]["tokens"])
+        usage = chunk["usage"]
+        assert usage["completion_tokens"] == tokens[choice["index"]]
+        assert usage["prompt_tokens"] == final["usage"]["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert tokens == {0: 5, 1: 5}
+    assert final["usage"]["completion_tokens"] == 10
