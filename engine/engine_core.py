@@ -127,7 +127,8 @@ class EngineCore:
         # Async scheduling: the step launched last, applied after the next one is launched.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
         # Requests that need every token on the host before their next step is scheduled
-        # (beam search, penalties; prompt logprobs, read on the host as they are computed):
+        # (beam search, penalties and bad words, which read the output so far; prompt
+        # logprobs, read on the host as they are computed):
         # while one runs, steps are applied before the next.
         self._sync_only: set[str] = set()
 
@@ -181,6 +182,7 @@ class EngineCore:
         if (
             group.beam is not None
             or group.sampling.has_penalties
+            or group.sampling.bad_words_token_ids
             or group.sampling.prompt_logprobs is not None
         ):
             self._sync_only.add(request.request_id)

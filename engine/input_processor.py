@@ -31,8 +31,28 @@ class InputProcessor:
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
     ) -> ProcessedPrompt:
         text, token_ids = self._tokenize(prompt)
+        if isinstance(params, SamplingParams):
+            keep = params.truncate_prompt_tokens
+            if keep is not None and keep < len(token_ids):
+                text, token_ids = None, token_ids[-keep:]  # the text is the kept tokens'
+            if params.bad_words:
+                params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self._validate(token_ids, params)
         return ProcessedPrompt(text, token_ids)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word as tokenized at the start of a text and after a space (the
+        second only when it differs in its first token but not in length)."""
+        if self.tokenizer is None:
+            raise ParameterError("bad_words", "bad_words: this model has no tokenizer.json")
+        found: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip())
+            spaced = self.tokenizer.encode(" " + word.lstrip())
+            found.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                found.append(spaced)
+        return found
 
     @staticmethod
     def core_request(
@@ -92,6 +112,15 @@ class InputProcessor:
                 value = getattr(params, name)
                 if value is not None and value > vocab:
                     raise ParameterError(name, f"{name} must be <= the vocabulary size {vocab}")
+            for name, ids in (
+                ("logit_bias", list(params.logit_bias or ())),
+                ("allowed_token_ids", params.allowed_token_ids or []),
+            ):
+                bad_ids = [t for t in ids if t >= vocab]
+                if bad_ids:
+                    raise ParameterError(
+                        name, f"{name} token ids must be in [0, {vocab}), got {bad_ids[:4]}"
+                    )
         width = "beam_width" if isinstance(params, BeamSearchParams) else "n"
         if params.n > limits.max_num_seqs:
             raise ParameterError(

@@ -57,6 +57,9 @@ class SamplingParams:
     the N most likely tokens' log-probabilities (plus the sampled one) at each step;
     `prompt_logprobs=N` the same for every prompt token after the first (the prompt token's
     own log-probability given the tokens before it, plus the N most likely tokens there).
+    Token controls, as vLLM: `logit_bias` adds to the logits of token ids, `allowed_token_ids`
+    keeps only those tokens, `bad_words` bans every word's last token after its other tokens
+    (a one-token word always), `truncate_prompt_tokens` keeps the prompt's last N tokens.
     Every invalid value raises ValueError naming the parameter.
     """
 
@@ -80,6 +83,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # The token ids of each bad word (with and without a leading space), filled in by the
+    # engine's InputProcessor from `bad_words` with the model's tokenizer.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,7 +97,12 @@ class SamplingParams:
             [self.stop] if isinstance(self.stop, str) else _as_list("stop", self.stop)
         )
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = _as_list("bad_words", self.bad_words)
         self._validate()
+        self._validate_token_controls()
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -153,19 +168,63 @@ class SamplingParams:
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
             )
 
+    def _validate_token_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParameterError(
+                    "logit_bias",
+                    f"logit_bias must map token ids to biases, got {self.logit_bias!r}",
+                )
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ParameterError(
+                        "logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}"
+                    )
+                _check_finite("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ParameterError("allowed_token_ids", "allowed_token_ids must not be empty")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ParameterError(
+                    "allowed_token_ids",
+                    f"allowed_token_ids must be token ids >= 0, got {self.allowed_token_ids}",
+                )
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise ParameterError(
+                "bad_words", f"bad_words must hold words, not blanks: {self.bad_words!r}"
+            )
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
+        ):
+            raise ParameterError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be an integer >= 1, got "
+                f"{self.truncate_prompt_tokens!r}",
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @cached_property
     def is_plain_greedy(self) -> bool:
-        """Greedy, with no penalty, no log-probabilities and no min_tokens: the sampler's
-        fast path. Cached: the sampler asks for every row of every step."""
-        return (
-            self.temperature == 0.0
-            and self.logprobs is None
-            and not self.min_tokens
-            and not self.has_penalties
+        """Greedy, with no log-probabilities and nothing that changes the logits: the
+        sampler's fast path. Cached: the sampler asks for every row of every step."""
+        return self.temperature == 0.0 and self.logprobs is None and not self.processes_logits
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """Something changes this request's logits before a token is picked: penalties,
+        min_tokens, logit_bias, allowed_token_ids or bad_words."""
+        return bool(
+            self.has_penalties
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+            or self.bad_words_token_ids
         )
 
     @property

@@ -28,11 +28,12 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents no bound, vLLM none
+MAX_BAD_WORDS = 64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # Fields of vLLM's CompletionRequest that Octavo does not implement yet: a request that sets
 # one gets a 400 naming it rather than an answer that silently ignored it.
 UNSUPPORTED_VLLM_FIELDS = (
-    "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "response_format", "structured_outputs", "logits_processors", "spaces_between_special_tokens",
     "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "priority",
@@ -117,7 +118,8 @@ class CompletionRequest(BaseModel):
     user: str | None = None
     best_of: PositiveInt | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (as a string) -> bias, clamped to [-100, 100].
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extras
     top_k: TopK = 0
     min_p: float = Field(default=0.0, ge=0, le=1)
@@ -127,6 +129,9 @@ class CompletionRequest(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
+    truncate_prompt_tokens: PositiveInt | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
@@ -174,7 +179,7 @@ class CompletionRequest(BaseModel):
         _check_unicode(value, "stop")
         return value
 
-    @field_validator("model", "user", "suffix", "logit_bias")
+    @field_validator("model", "user", "suffix", "logit_bias", "bad_words")
     @classmethod
     def _valid_unicode(cls, value, info):
         _check_unicode(value, info.field_name)

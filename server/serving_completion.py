@@ -40,6 +40,7 @@ from octavo.server.streaming import SSE_DONE, Delta, sse_event
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps each logit_bias value to [-100, 100]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,10 +125,6 @@ class CompletionServing:
             )
         if request.suffix:
             raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
-        if request.logit_bias:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST, "logit_bias is not supported", param="logit_bias"
-            )
         if request.max_tokens == 0 and not request.echo:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
@@ -159,6 +156,9 @@ class CompletionServing:
             ("logprobs", request.logprobs is not None),
             ("prompt_logprobs", request.prompt_logprobs is not None),
             ("stop", bool(request.stop)),
+            ("logit_bias", bool(request.logit_bias)),
+            ("allowed_token_ids", request.allowed_token_ids is not None),
+            ("bad_words", bool(request.bad_words)),
         ]
         for param, present in unsupported:
             if present:
@@ -222,6 +222,7 @@ class CompletionServing:
                 )
             except ParameterError as exc:  # name the fields as the client sent them
                 raise ParameterError(_client_param(request, exc.param), str(exc)) from exc
+        echo_logprobs = request.logprobs if request.echo else None
         return SamplingParams(
             n=request.n,
             presence_penalty=request.presence_penalty,
@@ -240,12 +241,12 @@ class CompletionServing:
             logprobs=request.logprobs,
             # An echoed prompt's tokens get log-probabilities like the generated ones.
             prompt_logprobs=(
-                request.prompt_logprobs
-                if request.prompt_logprobs is not None
-                else request.logprobs
-                if request.echo
-                else None
+                echo_logprobs if request.prompt_logprobs is None else request.prompt_logprobs
             ),
+            logit_bias=_logit_bias(request.logit_bias),
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
@@ -512,6 +513,19 @@ class CompletionServing:
             result.text_offset.append(offset)
             offset += len(text)
         return result
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) as the engine's, each bias clamped to
+    [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] as OpenAI does."""
+    if not bias:
+        return None
+    converted = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        converted[int(key)] = min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+    return converted
 
 
 def _client_param(request: CompletionRequest, param: str) -> str:

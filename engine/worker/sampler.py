@@ -62,12 +62,13 @@ class SampledTokens:
 class Sampler:
     """Turns logits into tokens following vLLM's order of operations.
 
-    penalties (repetition on prompt + output, presence/frequency on output) -> min_tokens mask
-    of EOS and stop_token_ids -> greedy argmax, or temperature -> min_p -> top_k -> top_p ->
-    a draw. A draw is argmax(probs / Exp(1) noise), an exact sample from `probs`; a seeded
-    request draws its noise from its own generator, so the tokens it gets do not depend on the
-    other rows. Reported log-probabilities are those of the model (log_softmax of the raw
-    logits), as vLLM reports them, and only for rows whose request asked for logprobs.
+    allowed_token_ids -> bad_words and min_tokens (EOS, stop_token_ids) masks -> logit_bias ->
+    penalties (repetition on prompt + output, presence/frequency on output) -> greedy argmax,
+    or temperature -> min_p -> top_k -> top_p -> a draw. A draw is argmax(probs / Exp(1)
+    noise), an exact sample from `probs`; a seeded request draws its noise from its own
+    generator, so the tokens it gets do not depend on the other rows. Reported
+    log-probabilities are those of the model (log_softmax of the raw logits), as vLLM reports
+    them, and only for rows whose request asked for logprobs.
     """
 
     def __init__(self, eos_token_id: int | None, generator: torch.Generator):
@@ -98,17 +99,52 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
-        """Applies penalties and the min_tokens mask, copying `logits` only when needed."""
-        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        masked = [i for i, r in enumerate(requests) if self._min_tokens_mask(r)]
-        if not penalized and not masked:
+        """Applies each request's logits processing (`_process_row`), copying `logits` only
+        when some row has any."""
+        rows = [i for i, r in enumerate(requests) if r.params.processes_logits]
+        if not rows:
             return logits
         logits = logits.clone()
-        for i in penalized:
-            logits[i] = apply_penalties(logits[i], requests[i])
-        for i in masked:
-            logits[i, self._min_tokens_mask(requests[i])] = float("-inf")
+        for i in rows:
+            logits[i] = self._process_row(logits[i], requests[i])
         return logits
+
+    def _process_row(self, row: torch.Tensor, request: SamplingRequest) -> torch.Tensor:
+        """vLLM's order: allowed_token_ids, then bad_words and min_tokens masks, logit_bias,
+        then penalties."""
+        params = request.params
+        if params.allowed_token_ids is not None:
+            kept = torch.tensor(params.allowed_token_ids, device=row.device)
+            only = torch.full_like(row, float("-inf"))
+            only[kept] = 0.0
+            row = row + only
+        banned = self._min_tokens_mask(request) + self._bad_words_mask(request)
+        if banned:
+            row[banned] = float("-inf")
+        if params.logit_bias:
+            tokens = torch.tensor(list(params.logit_bias), device=row.device)
+            bias = torch.tensor(
+                list(params.logit_bias.values()), dtype=row.dtype, device=row.device
+            )
+            row = row.index_add(0, tokens, bias)
+        if params.has_penalties:
+            row = apply_penalties(row, request)
+        return row
+
+    @staticmethod
+    def _bad_words_mask(request: SamplingRequest) -> list[int]:
+        """The last token of each bad word whose other tokens end the output so far (a
+        one-token word: always)."""
+        words = request.params.bad_words_token_ids
+        if not words:
+            return []
+        output = request.seq.output_token_ids
+        banned = []
+        for word in words:
+            *prefix, last = word
+            if not prefix or output[len(output) - len(prefix) :] == prefix:
+                banned.append(last)
+        return banned
 
     def _min_tokens_mask(self, request: SamplingRequest) -> list[int]:
         """Token ids that may not be drawn yet because min_tokens is not reached."""

@@ -73,7 +73,13 @@ def test_extreme_length_penalties_finish_and_the_engine_lives(server, length_pen
         (b'{"model": "tiny", "prompt": [1, 2.5]}', "prompt"),
         (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
         (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
-        (b'{"model": "tiny", "prompt": "x", "allowed_token_ids": [1]}', "allowed_token_ids"),
+        (b'{"model": "tiny", "prompt": "x", "allowed_token_ids": [true]}', "allowed_token_ids"),
+        (b'{"model": "tiny", "prompt": "x", "bad_words": ["\ud800"]}', "bad_words"),
+        (
+            b'{"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}',
+            "truncate_prompt_tokens",
+        ),
+        (b'{"model": "tiny", "prompt": "x", "response_format": {}}', "response_format"),
         (b'{"model": "tiny", "prompt": "x", "guided_json": {}}', "guided_json"),
     ],
 )

@@ -127,6 +127,33 @@ def test_penalised_greedy_row_changes_its_choice():
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], 0)[1].item())
 
 
+def test_token_controls_match_a_hand_computation():
+    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.5]] * 5)
+    bad = request(output=[9, 2], temperature=0.0)
+    bad.params.bad_words_token_ids = [[1], [2, 0], [7, 2]]  # 1 always; 0 after 2; 2 after 7
+    reqs = [
+        request(temperature=0.0, logit_bias={4: 4.5}),  # 1.0 + 4.5 beats 5.0
+        request(temperature=0.0, logit_bias={0: -100.0, 1: -100.0}),
+        request(temperature=0.0, allowed_token_ids=[3, 5]),  # 3 is the best allowed
+        bad,  # 0 (after 2) and 1 banned; 2 would follow 7, which did not come
+        # allowed first, then the bias: a biased token outside the allowed set stays out
+        request(temperature=0.0, allowed_token_ids=[2, 3], logit_bias={0: 50.0, 3: 1.5}),
+    ]
+    assert sampler(logits, reqs).to_host().token_ids == [4, 2, 3, 2, 3]
+
+
+def test_logit_bias_comes_before_penalties_as_in_vllm():
+    # repetition_penalty 2 on a seen token: (3 + 1) / 2 = 2 < 2.5 (bias first), where
+    # 3 / 2 + 1 = 2.5 would tie (penalty first).
+    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    logits = torch.tensor([[3.0, 2.5, 0.0, 0.0, 0.0]])
+    row = request(
+        prompt=(4,), output=[0], temperature=0.0, logit_bias={0: 1.0}, repetition_penalty=2.0
+    )
+    assert sampler(logits, [row]).to_host().token_ids == [1]
+
+
 def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
 

@@ -1,0 +1,115 @@
+"""logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens in the engine, against
+Hugging Face generate with its equivalent logits processors (greedy, token for token)."""
+
+import pytest
+import torch
+
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine.errors import ParameterError
+from tests.checkpoints import sample_prompts
+from tests.engine.helpers import hf_greedy, run_to_completion
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=512)
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_tiny):
+    return sample_prompts(6, 4, 40, hf_tiny.config.vocab_size, seed=7)
+
+
+def hf_generate(hf_model, prompt: list[int], **processors) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+            pad_token_id=hf_model.config.eos_token_id, **processors,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def generate(engine, prompts, **controls) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **controls)
+    return [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, params)]
+
+
+def test_logit_bias_equals_hf_sequence_bias(engine, hf_tiny, prompts):
+    plain = [hf_greedy(hf_tiny, p, MAX_TOKENS) for p in prompts]
+    # Push up a token the model rarely picks, push down the one it picks most.
+    counts = torch.bincount(torch.tensor([t for g in plain for t in g]))
+    favourite = int(counts.argmax())
+    bias = {favourite: -100.0, 7: 6.0}
+    got = generate(engine, prompts, logit_bias=bias)
+    want = [
+        hf_generate(hf_tiny, p, sequence_bias={(t,): b for t, b in bias.items()}) for p in prompts
+    ]
+    assert got == want
+    assert all(favourite not in g for g in got) and got != plain
+
+
+def test_allowed_token_ids_equal_hf_prefix_allowed_tokens(engine, hf_tiny, prompts):
+    allowed = [3, 50, 51, 200, 311, 400]
+    got = generate(engine, prompts, allowed_token_ids=allowed)
+    want = [
+        hf_generate(hf_tiny, p, prefix_allowed_tokens_fn=lambda _batch, _ids: allowed)
+        for p in prompts
+    ]
+    assert got == want
+    assert {t for g in got for t in g} <= set(allowed)
+    assert len({t for g in got for t in g}) > 2
+
+
+def test_bad_words_equal_hf_bad_words_ids(engine, hf_tiny, prompts, tiny_model_dir):
+    from octavo.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
+    plain = generate(engine, prompts)
+    # Words the model writes on its own: their last tokens must now be avoided.
+    words = [tokenizer.decode(plain[0][2:4]), tokenizer.decode(plain[1][5:6])]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words)
+    engine.input_processor.process_inputs(prompts[0], params)  # tokenizes the words
+    banned = params.bad_words_token_ids
+    assert banned and any(len(w) > 1 for w in banned)
+    # vLLM matches a word's first tokens in the output only; HF in prompt + output: prompts
+    # must not end inside a word for the two to agree.
+    assert not any(w[0] == p[-1] for w in banned if len(w) > 1 for p in prompts)
+    got = generate(engine, prompts, bad_words=words)
+    want = [hf_generate(hf_tiny, p, bad_words_ids=banned) for p in prompts]
+    assert got == want and got != plain
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(engine, hf_tiny, prompts):
+    got = [
+        o.prompt_token_ids
+        for o in run_to_completion(
+            engine, prompts, SamplingParams(max_tokens=1, truncate_prompt_tokens=5)
+        )
+    ]
+    assert got == [p[-5:] for p in prompts]
+    tokens = generate(engine, prompts, truncate_prompt_tokens=5)
+    assert tokens == [hf_greedy(hf_tiny, p[-5:], MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("controls", "param"),
+    [
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {10**6: 1.0}}, "logit_bias"),  # outside the vocabulary
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
+def test_bad_controls_are_refused_by_name(engine, controls, param):
+    with pytest.raises(ParameterError) as raised:
+        engine.add_request("bad", [1, 2, 3], SamplingParams(**controls))
+    assert raised.value.param == param
+    assert not engine.has_unfinished_requests()
