@@ -121,19 +121,23 @@ class InputProcessor:
                     raise ParameterError(
                         name, f"{name} token ids must be in [0, {vocab}), got {bad_ids[:4]}"
                     )
-        width = "beam_width" if isinstance(params, BeamSearchParams) else "n"
-        if params.n > limits.max_num_seqs:
+        if isinstance(params, BeamSearchParams):
+            width = "beam_width"
+        else:
+            width = "n" if params.best_of is None else "best_of"
+        num_seqs = params.num_sequences
+        if num_seqs > limits.max_num_seqs:
             raise ParameterError(
                 width,
-                f"{width}={params.n} exceeds max_num_seqs "
+                f"{width}={num_seqs} exceeds max_num_seqs "
                 f"({limits.max_num_seqs}): its sequences run together",
             )
         # Each group must fit alone even after a preemption undoes its prompt sharing.
         longest = min(len(prompt_ids) + params.max_tokens, limits.max_model_len)
-        blocks = params.n * -(-longest // limits.block_size)
+        blocks = num_seqs * -(-longest // limits.block_size)
         if blocks > limits.num_usable_blocks:
             raise ParameterError(
                 width,
-                f"{width}={params.n} sequences of up to {longest} tokens need "
+                f"{width}={num_seqs} sequences of up to {longest} tokens need "
                 f"{blocks} KV blocks; the cache has {limits.num_usable_blocks}",
             )

@@ -11,6 +11,7 @@ must never reach the client.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -73,13 +74,13 @@ class _RequestState:
 
     @property
     def output_kind(self) -> RequestOutputKind:
-        if isinstance(self.params, BeamSearchParams):
-            return RequestOutputKind.FINAL_ONLY  # beams are ranked whole: only the end counts
+        if isinstance(self.params, BeamSearchParams) or self.params.ranks_samples:
+            return RequestOutputKind.FINAL_ONLY  # ranked whole: only the end counts
         return self.params.output_kind
 
     @property
     def all_samples_finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(
+        return len(self.samples) == self.params.num_sequences and all(
             s.finish_reason is not None for s in self.samples.values()
         )
 
@@ -189,6 +190,8 @@ class OutputProcessor:
             completions = [
                 self._whole(state, s) for s in sorted(state.samples.values(), key=_by_index)
             ]
+            if isinstance(state.params, SamplingParams) and state.params.ranks_samples:
+                completions = _best(completions, state.params.n)
         metrics = self._metrics(state, now) if finished else None
         prompt_logprobs, ranks = state.prompt_logprobs, state.prompt_token_ranks
         if kind is RequestOutputKind.DELTA:
@@ -262,7 +265,7 @@ class OutputProcessor:
         aborted before its prompt forked into n samples) the request's end."""
         ended = []
         reason = "error" if error is not None else "abort"
-        for index in range(state.params.n):
+        for index in range(state.params.num_sequences):
             sample = self._sample(state, index)
             if sample.finish_reason is None:
                 sample.finish_reason = reason
@@ -338,6 +341,19 @@ class OutputProcessor:
 
 def _by_index(sample: _SampleState) -> int:
     return sample.index
+
+
+def _best(completions: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples of highest cumulative logprob, best first, indexed 0..n-1
+    (a sample that ended before its first token, without a logprob, ranks last)."""
+    ranked = sorted(
+        completions,
+        key=lambda c: -math.inf if c.cumulative_logprob is None else c.cumulative_logprob,
+        reverse=True,
+    )[:n]
+    for index, completion in enumerate(ranked):
+        completion.index = index
+    return ranked
 
 
 def _without_stop_token(sample: _SampleState, params: SamplingParams) -> list[int]:

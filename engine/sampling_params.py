@@ -64,6 +64,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -107,6 +108,10 @@ class SamplingParams:
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ParameterError("n", f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ParameterError(
+                "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
+            )
         for name in (
             "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
             "top_p", "min_p",
@@ -205,6 +210,17 @@ class SamplingParams:
             )
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: best_of of them when set, of which the n with the
+        highest cumulative log-probability are returned; else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def ranks_samples(self) -> bool:
+        """best_of > n: the samples are ranked (by cumulative logprob) at the end."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -212,7 +228,12 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy, with no log-probabilities and nothing that changes the logits: the
         sampler's fast path. Cached: the sampler asks for every row of every step."""
-        return self.temperature == 0.0 and self.logprobs is None and not self.processes_logits
+        return (
+            self.temperature == 0.0
+            and self.logprobs is None
+            and not self.ranks_samples
+            and not self.processes_logits
+        )
 
     @cached_property
     def processes_logits(self) -> bool:
@@ -299,4 +320,8 @@ class BeamSearchParams:
     @property
     def n(self) -> int:
         """Sequences the request keeps in the batch at once."""
+        return self.beam_width
+
+    @property
+    def num_sequences(self) -> int:
         return self.beam_width

@@ -117,10 +117,16 @@ class CompletionServing:
             )
         if request.use_beam_search:
             self._check_beam_search(request)
-        elif request.best_of is not None and request.best_of != request.n:
+        elif request.best_of is not None and request.best_of < request.n:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
-                "best_of is only supported with use_beam_search",
+                f"best_of ({request.best_of}) must be >= n ({request.n})",
+                param="best_of",
+            )
+        elif request.best_of is not None and request.best_of > request.n and request.stream:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "best_of > n cannot be streamed: the best samples are known at the end",
                 param="best_of",
             )
         if request.suffix:
@@ -225,6 +231,7 @@ class CompletionServing:
         echo_logprobs = request.logprobs if request.echo else None
         return SamplingParams(
             n=request.n,
+            best_of=request.best_of,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,

@@ -152,7 +152,7 @@ class SequenceGroup:
         )
         self.generators = [
             None if seed is None else torch.Generator(device=self.device).manual_seed(seed + i)
-            for i in range(self.sampling_params.n)
+            for i in range(self.sampling_params.num_sequences)
         ]
 
     @property
@@ -187,4 +187,4 @@ class SequenceGroup:
     @property
     def needs_fork(self) -> bool:
         """True until the prompt of a sampling request has been sampled into `n` sequences."""
-        return self.beam is None and len(self.seqs) < self.sampling_params.n
+        return self.beam is None and len(self.seqs) < self.sampling_params.num_sequences

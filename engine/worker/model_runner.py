@@ -212,8 +212,10 @@ class ModelRunner:
             parts = []
             for at in range(0, len(span.rows), PROMPT_LOGPROBS_ROWS_PER_PASS):
                 end = at + PROMPT_LOGPROBS_ROWS_PER_PASS
-                rows = self._to_device("prompt_rows", span.rows[at:end])
-                targets = self._to_device("prompt_targets", span.targets[at:end])
+                # Plain (blocking) copies: several passes in one step would overwrite a
+                # pinned staging buffer that a non-blocking copy may still be reading.
+                rows = torch.as_tensor(span.rows[at:end], device=self.device)
+                targets = torch.as_tensor(span.targets[at:end], device=self.device)
                 logits = self.model.compute_logits(hidden[rows]).float()
                 logprobs = torch.log_softmax(logits, dim=-1)
                 chosen = logprobs.gather(1, targets[:, None])

@@ -82,7 +82,11 @@ class Sampler:
             return SampledTokens(argmax_rows(logits))  # the fast path: one pass
         # Log-probabilities cost a pass over the vocabulary: only when a row asks for them
         # (as vLLM, a request without `logprobs` gets no cumulative_logprob either).
-        num_top = [r.params.logprobs for r in requests]
+        # best_of > n ranks samples by cumulative logprob: their tokens' logprobs are needed.
+        num_top = [
+            r.params.logprobs if r.params.logprobs is not None or not r.params.ranks_samples else 0
+            for r in requests
+        ]
         want_logprobs = any(n is not None for n in num_top)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._process(logits, requests)

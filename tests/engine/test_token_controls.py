@@ -113,3 +113,23 @@ def test_bad_controls_are_refused_by_name(engine, controls, param):
         engine.add_request("bad", [1, 2, 3], SamplingParams(**controls))
     assert raised.value.param == param
     assert not engine.has_unfinished_requests()
+
+
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(engine, prompts):
+    # The same seeded samples, all returned with their logprobs: the oracle's ranking.
+    sampled = dict(temperature=1.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (every,) = run_to_completion(engine, prompts[:1], SamplingParams(n=5, logprobs=0, **sampled))
+    ranked = sorted(every.outputs, key=lambda c: c.cumulative_logprob, reverse=True)
+    (best,) = run_to_completion(engine, prompts[:1], SamplingParams(n=2, best_of=5, **sampled))
+    assert [c.index for c in best.outputs] == [0, 1]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    got = [c.cumulative_logprob for c in best.outputs]
+    assert got == pytest.approx([c.cumulative_logprob for c in ranked[:2]], abs=1e-4)
+    assert best.outputs[0].logprobs is None  # not asked for: used for ranking only
+    assert len({tuple(c.token_ids) for c in every.outputs}) == 5
+
+
+def test_best_of_below_n_is_refused(engine):
+    with pytest.raises(ParameterError) as raised:
+        SamplingParams(n=3, best_of=2)
+    assert raised.value.param == "best_of"

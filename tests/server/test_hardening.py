@@ -74,7 +74,7 @@ def test_extreme_length_penalties_finish_and_the_engine_lives(server, length_pen
         (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
         (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
         (b'{"model": "tiny", "prompt": "x", "allowed_token_ids": [true]}', "allowed_token_ids"),
-        (b'{"model": "tiny", "prompt": "x", "bad_words": ["\ud800"]}', "bad_words"),
+        (b'{"model": "tiny", "prompt": "x", "bad_words": ["\\ud800"]}', "bad_words"),
         (
             b'{"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}',
             "truncate_prompt_tokens",

@@ -76,3 +76,15 @@ def test_beam_search_refuses_token_controls(server):
     response = complete(server, use_beam_search=True, n=2, logit_bias={"5": 1.0})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "logit_bias"
+
+
+def test_best_of_returns_n_choices_and_cannot_stream(server):
+    body = {"n": 2, "best_of": 4, "temperature": 1.0, "seed": 5, "logprobs": 0}
+    out = complete(server, **body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    totals = [sum(c["logprobs"]["token_logprobs"]) for c in out["choices"]]
+    assert totals[0] >= totals[1]
+    for bad in ({"stream": True}, {"best_of": 1}):
+        response = complete(server, **(body | bad))
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "best_of"
