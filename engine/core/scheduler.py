@@ -168,7 +168,7 @@ class Scheduler:
                     and table is not None
                     and start // block_size < len(table)
                     and ref_counts[table[start // block_size]] == 1
-                    and group.sampling_params.num_sequences == 1  # no fork pending (needs_fork)
+                    and group.num_sequences == 1  # no fork pending (group.needs_fork)
                 ):
                     seq.num_computed_tokens = start + 1
                     seq.num_pending_tokens += 1
@@ -204,7 +204,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs
-            if num_seqs + max(len(seqs), group.sampling_params.num_sequences) > max_num_seqs:
+            if num_seqs + max(len(seqs), group.num_sequences) > max_num_seqs:
                 break
             if any(seq.num_pending_tokens for seq in seqs):
                 break  # preempted with a token in flight: recomputed once it has arrived
@@ -219,7 +219,7 @@ class Scheduler:
                 self.num_prompt_tokens += len(group.prompt_token_ids)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            num_seqs += max(len(seqs), group.sampling_params.num_sequences)
+            num_seqs += max(len(seqs), group.num_sequences)
             budget -= self._commit(group, plan, decodes, prefills)
 
         changed, freed = self.block_manager.take_changes()

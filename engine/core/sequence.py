@@ -143,8 +143,12 @@ class SequenceGroup:
     # after preemption does not score them again).
     prompt_logprobs_next: int = 0
     generators: list[torch.Generator | None] = field(init=False, repr=False)
+    # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
+    # reads it for every running request of every step.
+    num_sequences: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.num_sequences = self.sampling_params.num_sequences
         # Every sample's generator is built now, at admission, so that a seed the generator
         # refuses fails this request when it is added, never a later engine step.
         seed = (
@@ -152,7 +156,7 @@ class SequenceGroup:
         )
         self.generators = [
             None if seed is None else torch.Generator(device=self.device).manual_seed(seed + i)
-            for i in range(self.sampling_params.num_sequences)
+            for i in range(self.num_sequences)
         ]
 
     @property
@@ -187,4 +191,4 @@ class SequenceGroup:
     @property
     def needs_fork(self) -> bool:
         """True until the prompt of a sampling request has been sampled into `n` sequences."""
-        return self.beam is None and len(self.seqs) < self.sampling_params.num_sequences
+        return self.beam is None and len(self.seqs) < self.num_sequences
