@@ -115,6 +115,8 @@ class InputProcessor:
             for name, ids in (
                 ("logit_bias", list(params.logit_bias or ())),
                 ("allowed_token_ids", params.allowed_token_ids or []),
+                # A tokenizer may know more tokens than the model: never index past its logits.
+                ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
             ):
                 bad_ids = [t for t in ids if t >= vocab]
                 if bad_ids:

@@ -133,3 +133,18 @@ def test_best_of_below_n_is_refused(engine):
     with pytest.raises(ParameterError) as raised:
         SamplingParams(n=3, best_of=2)
     assert raised.value.param == "best_of"
+
+
+def test_bad_words_past_the_models_vocabulary_are_refused(tiny_model_dir):
+    from octavo.engine.core_messages import ModelLimits
+    from octavo.engine.input_processor import InputProcessor
+    from octavo.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
+    # A model with fewer tokens than its tokenizer: a word's ids may lie past its logits.
+    limits = ModelLimits(vocab_size=8, max_model_len=64, eos_token_id=0, max_num_seqs=4,
+                         block_size=16, num_usable_blocks=64)  # fmt: skip
+    processor = InputProcessor(tokenizer, limits)
+    with pytest.raises(ParameterError) as raised:
+        processor.process_inputs([1, 2], SamplingParams(bad_words=["definition"]))
+    assert raised.value.param == "bad_words"
