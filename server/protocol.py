@@ -28,7 +28,7 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents no bound, vLLM none
+MAX_LOGIT_BIAS = 1024  # entries: bounded at the edge like every list a request carries
 MAX_BAD_WORDS = 64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # Fields of vLLM's CompletionRequest that Octavo does not implement yet: a request that sets
