@@ -298,21 +298,27 @@ _NULL_MEANS_DEFAULT = frozenset(
 )
 
 
-class TokenizeRequest(BaseModel):
-    """POST /tokenize (vLLM's): a prompt's token ids under the served model's tokenizer."""
+class _TokenizationRequest(BaseModel):
+    """What /tokenize and /detokenize share: strict types, an optional model name, and
+    every string valid Unicode."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
 
-    @field_validator("model", "prompt")
+    @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value, info):
         _check_unicode(value, info.field_name)
         return value
+
+
+class TokenizeRequest(_TokenizationRequest):
+    """POST /tokenize (vLLM's): a prompt's token ids under the served model's tokenizer."""
+
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(BaseModel):
@@ -322,19 +328,10 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_TokenizationRequest):
     """POST /detokenize (vLLM's): the text of token ids."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
     tokens: list[TokenId]
-
-    @field_validator("model")
-    @classmethod
-    def _valid_unicode(cls, value, info):
-        _check_unicode(value, info.field_name)
-        return value
 
 
 class DetokenizeResponse(BaseModel):

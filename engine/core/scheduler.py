@@ -225,9 +225,8 @@ class Scheduler:
         changed, freed = self.block_manager.take_changes()
         for seq_id in freed:
             sample_rows.pop(seq_id, None)
-        scheduled = decodes + prefills
         return SchedulerOutput(
-            scheduled=scheduled,
+            scheduled=decodes + prefills,
             blocks_to_copy=self.block_manager.take_copies(),
             changed_seq_ids=changed,
             freed_seq_ids=freed,
@@ -480,8 +479,6 @@ class Scheduler:
                     continue
                 entry = gathered.get(id(group))
                 if entry is None:
-                    if group.error is not None:  # failed by an earlier row of this step
-                        continue
                     entry = gathered[id(group)] = (group, [], first)
                 entry[1].append(delta)
         if row != len(seq_ids):

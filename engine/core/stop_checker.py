@@ -39,7 +39,7 @@ class StopChecker:
         """A request's cheap pre-test: `check` can only stop a sequence whose new token is in
         the returned set (EOS unless ignored, stop_token_ids) or whose length reaches the
         returned count (max_tokens or max_model_len, whichever comes first)."""
-        tokens = set(params.stop_token_ids or ())
+        tokens = set(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             tokens.add(self.eos_token_id)
         return frozenset(tokens), min(num_prompt_tokens + params.max_tokens, self.max_model_len)
