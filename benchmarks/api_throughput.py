@@ -140,7 +140,7 @@ def serve(port: int, model: Path, max_num_seqs: int) -> None:
     from octavo.engine.core_client import MultiprocessCoreClient
     from octavo.engine.worker.models.weights import load_tokenizer
     from octavo.server.app import create_app
-    from octavo.server.serving_completion import ServerConfig
+    from octavo.server.serving_engine import ServerConfig
 
     torch.set_num_threads(1)
     config = EngineConfig(

@@ -8,11 +8,29 @@ import tokenizers
 import tokenizers.decoders
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) character for each byte, inverted: printable Latin-1
+    bytes stand for themselves, the other 68 bytes for the characters from U+0100 on, in
+    byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    alphabet = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in alphabet.values())
+    alphabet.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return alphabet
+
+
 class Tokenizer:
     """Encodes text to token ids and decodes them back; a thin, typed wrapper."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer):
         self._tokenizer = tokenizer
+        self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        self._byte_alphabet = _byte_level_alphabet() if byte_level else None
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -29,6 +47,18 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level token's own bytes, which may be part
+        of a UTF-8 character (its decoded text would be U+FFFD); an added token's text;
+        otherwise the token's decoded text, encoded."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        alphabet = self._byte_alphabet
+        if alphabet is not None and piece is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     @property
     def raw(self) -> tokenizers.Tokenizer:

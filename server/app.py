@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from octavo.engine.async_engine import AsyncEngine
+from octavo.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.http_guards import BodySizeLimit, HostCheck
 from octavo.server.metrics import ServerMetrics
@@ -32,7 +33,9 @@ from octavo.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from octavo.server.serving_completion import CompletionServing, ServerConfig
+from octavo.server.serving_chat import ChatServing
+from octavo.server.serving_completion import CompletionServing
+from octavo.server.serving_engine import ServerConfig
 from octavo.server.serving_tokenization import TokenizationServing
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     engine thread and shuts it down gracefully."""
     metrics = ServerMetrics(engine)
     serving = CompletionServing(engine, config, metrics)
+    chat = ChatServing(engine, config, metrics)
     tokenization = TokenizationServing(engine, config)
 
     @asynccontextmanager
@@ -144,6 +148,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def completions(request: CompletionRequest, raw_request: Request):
         return await serving.create(request, raw_request)
 
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=[Depends(check_api_key)],
+        response_model=None,
+        responses=_CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+    )
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create(request, raw_request)
+
     def openapi() -> dict[str, Any]:
         """FastAPI's document without the 422 it adds to every route with a body: this
         server answers validation errors with 400 (OpenAI's shape)."""
@@ -172,6 +185,15 @@ _COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
         "model": CompletionResponse,
         "description": "The completion, or with `stream: true` server-sent events: one "
         "`data: <CompletionResponse JSON>` per chunk, then `data: [DONE]`.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    204: {"description": "The client disconnected before the completion was ready."},
+}
+_CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": ChatCompletionResponse,
+        "description": "The chat completion, or with `stream: true` server-sent events: one "
+        "`data: <ChatCompletionChunk JSON>` per chunk, then `data: [DONE]`.",
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
     204: {"description": "The client disconnected before the completion was ready."},

@@ -94,12 +94,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from octavo.server.app import create_app
-    from octavo.server.serving_completion import ServerConfig
+    from octavo.server.chat_template import load_chat_template
+    from octavo.server.serving_engine import ServerConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine_config = engine_config_from_args(args)
+    # Before the engine starts: a bad template ends the command with its message.
+    chat_template = load_chat_template(args.chat_template, args.model, args.load_format)
     model_threads = None
     if engine_config.torch_device.type == "cpu":
         model_threads = args.torch_threads or default_model_threads(engine_config)
@@ -121,6 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
         allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
+        chat_template=chat_template,
     )
     app = create_app(engine, config)
     uvicorn_config = uvicorn.Config(
@@ -226,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests allowed to wait for admission; more get 503",
     )
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="the Jinja chat template of /v1/chat/completions (transformers' "
+        "chat_template semantics): a file, or the template itself (default: the "
+        "checkpoint's tokenizer_config.json chat_template; GPT-2 has none)",
+    )
     serve.add_argument(
         "--max-n",
         type=int,

@@ -1,11 +1,14 @@
-"""OpenAI completions API shapes (pydantic): requests validated at the edge, responses."""
+"""OpenAI API shapes (pydantic) shared by the routes, and the completions API's own: requests
+validated at the edge, responses. The chat API's are in chat_protocol.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal, get_args
+from abc import ABC, abstractmethod
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -60,7 +63,7 @@ Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _INTEGRAL]
 TokenId = NonNegativeInt
 
 
-def _check_unicode(value: str | list | dict | None, field: str) -> None:
+def check_unicode(value: Any, field: str) -> None:
     """Every string a request carries must be encodable (no lone surrogates such as
     "\\ud800", which JSON can express and UTF-8 cannot)."""
     if isinstance(value, str):
@@ -70,10 +73,11 @@ def _check_unicode(value: str | list | dict | None, field: str) -> None:
             raise ValueError(f"{field} is not valid Unicode: {exc.reason}") from None
     elif isinstance(value, list):
         for item in value:
-            _check_unicode(item, field)
+            check_unicode(item, field)
     elif isinstance(value, dict):
-        for key in value:
-            _check_unicode(key, field)
+        for key, item in value.items():
+            check_unicode(key, field)
+            check_unicode(item, field)
 
 
 class StreamOptions(BaseModel):
@@ -84,31 +88,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions, validated strictly at the edge: no bool where a number is
-    expected or string where a bool is, finite floats only, valid Unicode, bounded lists.
-    An explicit JSON null means the field's default. Fields of vLLM's request that Octavo
-    does not implement are refused by name; other unknown fields are ignored with a warning,
-    as vLLM does."""
+class GenerationRequest(BaseModel, ABC):
+    """What a completion and a chat completion request share: the model, sampling, stops and
+    vLLM's extras, validated strictly at the edge: no bool where a number is expected or
+    string where a bool is, finite floats only, valid Unicode, bounded lists. An explicit JSON
+    null means the field's default. Fields that Octavo does not implement are refused by name
+    (`UNSUPPORTED`); other unknown fields are ignored with a warning, as vLLM does."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = UNSUPPORTED_VLLM_FIELDS
 
     model: str
-    prompt: (
-        Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    )
-    # 0 only with echo: score the prompt (prompt logprobs with `logprobs`), generate nothing.
-    max_tokens: NonNegativeInt | None = 16
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: PositiveInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: LogprobsCount | None = None
-    echo: bool = False
     # vLLM's: each prompt token's log-probability, rank and this many best tokens.
     prompt_logprobs: LogprobsCount | None = None
     stop: str | list[str] | None = Field(default=None)
@@ -117,7 +112,6 @@ class CompletionRequest(BaseModel):
     seed: Seed | None = None
     user: str | None = None
     best_of: PositiveInt | None = None
-    suffix: str | None = None
     # OpenAI's: token id (as a string) -> bias, clamped to [-100, 100].
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extras
@@ -141,23 +135,79 @@ class CompletionRequest(BaseModel):
     def _nulls_and_unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name in UNSUPPORTED_VLLM_FIELDS:
-            if data.get(name) is not None:
+        for name in cls.UNSUPPORTED:
+            if data.get(name) not in (None, []):  # an empty list (of tools, say) asks for nothing
                 raise PydanticCustomError(
                     "unsupported_field",
                     "{field} is not supported by this server yet",
                     {"field": name},
                 )
+        if data.get("response_format") == {"type": "text"}:  # the default, said explicitly
+            data = {key: value for key, value in data.items() if key != "response_format"}
         unknown = sorted(k for k in data if k not in cls.model_fields)
         if unknown:
-            logger.warning("ignoring unknown completion request fields: %s", unknown[:8])
+            logger.warning("ignoring unknown %s fields: %s", cls.__name__, unknown[:8])
         # null = the default, for every optional field that does not take null itself
         # (max_tokens does: null there means "up to the context length").
+        null_means_default = _null_means_default(cls)
         return {
             key: value
             for key, value in data.items()
-            if not (value is None and key in _NULL_MEANS_DEFAULT)
+            if not (value is None and key in null_means_default)
         }
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        check_unicode(value, "stop")
+        return value
+
+    @field_validator("model", "user", "logit_bias", "bad_words")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        check_unicode(value, info.field_name)
+        return value
+
+    # -- what the engine is asked for (the two APIs name some of these differently) ---------
+
+    @abstractmethod
+    def max_new_tokens(self) -> int | None:
+        """The most tokens to generate; None: up to the context length."""
+
+    @abstractmethod
+    def sample_logprobs(self) -> int | None:
+        """How many best tokens' log-probabilities each generated token carries (None: no
+        log-probabilities at all)."""
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: how many best tokens each prompt token is scored
+        with (None: the prompt is not scored)."""
+        return self.prompt_logprobs
+
+    def client_param(self, param: str) -> str:
+        """The request field behind an engine parameter: beam_width is best_of when the
+        client sent best_of (else n), num_return_sequences is n."""
+        if param == "beam_width":
+            return "best_of" if self.best_of is not None else "n"
+        return {"num_return_sequences": "n"}.get(param, param)
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions: one or more prompts (text or token ids) to continue."""
+
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    # 0 only with echo: score the prompt (prompt logprobs with `logprobs`), generate nothing.
+    max_tokens: NonNegativeInt | None = 16
+    logprobs: LogprobsCount | None = None
+    echo: bool = False
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -168,21 +218,13 @@ class CompletionRequest(BaseModel):
         many = isinstance(value, list) and len(value) > MAX_PROMPTS_PER_REQUEST
         if many and not isinstance(value[0], int):
             raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
-        _check_unicode(value, "prompt")
+        check_unicode(value, "prompt")
         return value
 
-    @field_validator("stop")
+    @field_validator("suffix")
     @classmethod
-    def _stop_bounded(cls, value):
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        _check_unicode(value, "stop")
-        return value
-
-    @field_validator("model", "user", "suffix", "logit_bias", "bad_words")
-    @classmethod
-    def _valid_unicode(cls, value, info):
-        _check_unicode(value, info.field_name)
+    def _suffix_unicode(cls, value):
+        check_unicode(value, "suffix")
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -192,6 +234,18 @@ class CompletionRequest(BaseModel):
         if all(isinstance(p, int) for p in self.prompt):  # one prompt of token ids
             return [[p for p in self.prompt if isinstance(p, int)]]
         return [p for p in self.prompt if not isinstance(p, int)]
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def scored_prompt_logprobs(self) -> int | None:
+        # An echoed prompt's tokens get log-probabilities like the generated ones.
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ErrorBody(BaseModel):
@@ -290,12 +344,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-# Optional fields whose explicit null is replaced by their default (see the validator).
-_NULL_MEANS_DEFAULT = frozenset(
-    name
-    for name, info in CompletionRequest.model_fields.items()
-    if not info.is_required() and type(None) not in get_args(info.annotation)
-)
+@functools.cache
+def _null_means_default(request_class: type[BaseModel]) -> frozenset[str]:
+    """A request class's optional fields whose explicit null is replaced by their default
+    (those whose type does not take null itself)."""
+    return frozenset(
+        name
+        for name, info in request_class.model_fields.items()
+        if not info.is_required() and type(None) not in get_args(info.annotation)
+    )
 
 
 class _TokenizationRequest(BaseModel):
@@ -309,7 +366,7 @@ class _TokenizationRequest(BaseModel):
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value, info):
-        _check_unicode(value, info.field_name)
+        check_unicode(value, info.field_name)
         return value
 
 

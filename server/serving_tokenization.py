@@ -14,7 +14,7 @@ from octavo.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from octavo.server.serving_completion import ServerConfig
+from octavo.server.serving_engine import ServerConfig
 
 
 class TokenizationServing:

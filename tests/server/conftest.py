@@ -14,6 +14,14 @@ import httpx
 import pytest
 
 MODEL_NAME = "tiny"
+# ChatML, with an optional template variable (chat_template_kwargs) before the conversation.
+CHAT_TEMPLATE = (
+    "{% if preamble is defined %}{{ preamble + '\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 STARTUP_TIMEOUT_S = 60
 
 
@@ -84,5 +92,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[LiveServer]:
         "64",
         "--max-num-batched-tokens",
         "512",
+        "--chat-template",
+        CHAT_TEMPLATE,
     ) as s:
         yield s

@@ -11,7 +11,7 @@ from octavo.engine import EngineConfig
 from octavo.engine.async_engine import AsyncEngine
 from octavo.server.app import create_app
 from octavo.server.cli import GracefulServer
-from octavo.server.serving_completion import ServerConfig
+from octavo.server.serving_engine import ServerConfig
 from tests.server.conftest import free_port
 
 SERVE_TIMEOUT_S = 60

@@ -72,6 +72,46 @@ def test_no_completion_request_gets_a_server_error(server, changes):
         assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices)
 
 
+CHAT_FIELDS = [
+    "messages", "max_tokens", "max_completion_tokens", "temperature", "n", "stream",
+    "stream_options", "logprobs", "top_logprobs", "stop", "seed", "logit_bias", "best_of",
+    "use_beam_search", "prompt_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "tools", "response_format", "made_up_field",
+]  # fmt: skip
+MESSAGE = st.fixed_dictionaries(
+    {}, optional={"role": ANYTHING, "content": ANYTHING, "name": ANYTHING}
+)
+# A chat field's value: anything, or a list of (odd) messages.
+CHAT_VALUES = st.one_of(ANYTHING, st.lists(st.one_of(MESSAGE, ANYTHING), max_size=3))
+SMALL_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(changes=st.dictionaries(st.sampled_from(CHAT_FIELDS), CHAT_VALUES, min_size=1, max_size=4))
+def test_no_chat_request_gets_a_server_error(server, changes):
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=encode(SMALL_CHAT | changes),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code < 500, (changes, response.text)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.endswith("data: [DONE]\n\n")
+        assert '"error"' not in response.text, response.text
+    else:
+        choices = response.json()["choices"]
+        assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices)
+
+
 def test_the_server_is_idle_and_serving_after_the_fuzzing(server):
     response = httpx.post(f"{server.base_url}/v1/completions", json=SMALL, timeout=60)
     assert response.status_code == 200, response.text

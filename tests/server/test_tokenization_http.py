@@ -11,7 +11,7 @@ import pytest
 from octavo.engine.tokenizer import Tokenizer
 from octavo.server.errors import APIError
 from octavo.server.protocol import DetokenizeRequest, TokenizeRequest
-from octavo.server.serving_completion import ServerConfig
+from octavo.server.serving_engine import ServerConfig
 from octavo.server.serving_tokenization import TokenizationServing
 from tests.server.conftest import MODEL_NAME
 

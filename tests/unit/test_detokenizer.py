@@ -33,3 +33,20 @@ def test_flush_emits_held_back_bytes_of_an_incomplete_character(tokenizer):
         detok.step(ids[: i + 1])
     assert detok.text == "ok "
     assert detok.flush(ids[:-1]).startswith("\ufffd")
+
+
+def test_token_bytes_are_the_bytes_each_token_stands_for(tokenizer):
+    """Against transformers' byte-level alphabet: every token's bytes, and a text's tokens'
+    bytes laid end to end, even where a token holds part of a character."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
+    for token_id in range(tokenizer.vocab_size):
+        piece = tokenizer.raw.id_to_token(token_id)
+        if token_id in tokenizer.raw.get_added_tokens_decoder():
+            assert tokenizer.token_bytes(token_id) == piece.encode()
+        else:
+            assert tokenizer.token_bytes(token_id) == bytes(alphabet[c] for c in piece)
+    ids = tokenizer.encode(TEXT + "<|endoftext|>")
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == (TEXT + "<|endoftext|>").encode()
+    assert any(tokenizer.decode([t]) == "\ufffd" for t in ids)  # split characters were seen

@@ -30,6 +30,7 @@ _HUB_FILES = [
     "config.json",
     "generation_config.json",
     "tokenizer.json",
+    "tokenizer_config.json",  # the chat template, if the checkpoint has one
     "*.safetensors",
     "*.safetensors.index.json",
 ]

@@ -1,0 +1,194 @@
+"""OpenAI chat completions API shapes (pydantic): the request, validated at the edge like a
+completion request, and the response and stream chunk."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from octavo.server.protocol import (
+    UNSUPPORTED_VLLM_FIELDS,
+    GenerationRequest,
+    LogprobsCount,
+    PositiveInt,
+    PromptLogprob,
+    Usage,
+    check_unicode,
+)
+
+# Bounds on a conversation, checked before the template runs (the body limit bounds bytes).
+MAX_CHAT_MESSAGES = 1024
+MAX_TEMPLATE_KWARGS = 64
+# A chat request's fields that this server cannot honour: a 400 names them.
+UNSUPPORTED_CHAT_FIELDS = (
+    *UNSUPPORTED_VLLM_FIELDS,
+    "tools", "functions", "function_call", "audio", "prediction", "web_search_options",
+    # vLLM's chat extras: a request-supplied template (only the server's is trusted), RAG
+    # documents for the template, and echo of the last message.
+    "chat_template", "documents", "echo",
+)  # fmt: skip
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation. Content is a string, text parts (joined with newlines
+    for the template, as vLLM's "string" content format), or null (an assistant turn with
+    tool calls). Other fields (`name`, `tool_calls`, ...) reach the template as sent."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[TextContentPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content part type {kind!r} is not supported: this model reads text"
+                    )
+        return value
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> ChatMessage:
+        check_unicode(self.model_dump(), "messages")
+        return self
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it: role, text content, and the rest."""
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions: a conversation, rendered by the server's chat template into
+    one prompt that is completed like a completion request's."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = UNSUPPORTED_CHAT_FIELDS
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    # max_tokens is OpenAI's deprecated name of max_completion_tokens; None: up to the context.
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: LogprobsCount | None = None
+    # vLLM's: open an assistant turn (the default), or continue the final message instead.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: (
+        Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None
+    ) = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_unicode(cls, value):
+        check_unicode(value, "chat_template_kwargs")
+        return value
+
+    def max_new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def sample_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def client_param(self, param: str) -> str:
+        if param == "prompt":  # the rendered conversation
+            return "messages"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if param == "logprobs" and self.top_logprobs is not None:
+            return "top_logprobs"
+        return super().client_param(param)
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+class TopLogprob(BaseModel):
+    """A token's log-probability in the chat shape: its text and its bytes (a token may be
+    part of a UTF-8 character; the bytes of a choice's tokens concatenate to its text)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    # vLLM's: the rendered prompt's logprobs when the request set prompt_logprobs.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to a choice's message: the role in a choice's first chunk, then
+    content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None

@@ -1,0 +1,378 @@
+"""What every generating route shares: the server's settings, request checks, engine
+parameters, submission, the merged output streams and the error contract."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import Request
+
+from octavo.engine.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestFailedError,
+)
+from octavo.engine.errors import ParameterError
+from octavo.engine.input_processor import ProcessedPrompt
+from octavo.engine.outputs import RequestOutput
+from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.tokenizer import Tokenizer
+from octavo.server.errors import APIError, model_not_found
+from octavo.server.metrics import ServerMetrics
+from octavo.server.protocol import GenerationRequest, PromptLogprob, Usage
+
+if TYPE_CHECKING:
+    from octavo.server.chat_template import ChatTemplate
+
+# Seconds a client told "queue full" should wait before retrying.
+RETRY_AFTER_SECONDS = 1
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps each logit_bias value to [-100, 100]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+PromptAndParams = tuple[ProcessedPrompt, SamplingParams | BeamSearchParams]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP layer enforces; `max_n` bounds n and best_of per request (None: no
+    bound beyond the engine's max_num_seqs); `allowed_hosts` None accepts any Host;
+    `chat_template` None answers chat requests with a 400 naming --chat-template."""
+
+    served_model_name: str
+    model_root: str = ""  # the checkpoint served (the model cards' `root`); "" = the name
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    shutdown_grace_seconds: float = 10.0
+    max_n: int | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    chat_template: ChatTemplate | None = None
+
+
+class EngineServing:
+    """The steps of a generating route around the AsyncEngine: check a request
+    (`check_request`), turn each prompt into engine inputs (`process`), queue them
+    (`submit`), read their outputs as they arrive (`merge`, `timed`). Everything a client
+    can get wrong is an APIError (400/404/503) before any engine request is queued, or, if
+    the queue fills midway, after the ones already queued are aborted."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    # -- validation --------------------------------------------------------------------------
+
+    def check_request(self, request: GenerationRequest, num_prompts: int) -> None:
+        """The checks that need the server's settings, for a request of `num_prompts`."""
+        if request.model != self.config.served_model_name:
+            raise model_not_found(request.model)
+        max_n = self.config.max_n
+        for param, value in (("n", request.n), ("best_of", request.best_of)):
+            if max_n is not None and value is not None and value > max_n:
+                raise APIError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"{param} must be <= {max_n} on this server (--max-n), got {value}",
+                    param=param,
+                )
+        if num_prompts > self.engine.max_num_waiting:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"{num_prompts} prompts can never wait at once: the queue holds "
+                f"{self.engine.max_num_waiting} (--max-num-waiting)",
+                param="prompt",
+            )
+        if request.best_of is not None and request.best_of < request.n:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"best_of ({request.best_of}) must be >= n ({request.n})",
+                param="best_of",
+            )
+        if request.use_beam_search:
+            _check_beam_search(request)
+        elif request.best_of is not None and request.best_of > request.n and request.stream:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "best_of > n cannot be streamed: the best samples are known at the end",
+                param="best_of",
+            )
+        if request.stream_options is not None and not request.stream:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                "stream_options is only allowed with stream",
+                param="stream_options",
+            )
+
+    # -- engine inputs -----------------------------------------------------------------------
+
+    def process(self, request: GenerationRequest, prompt: str | list[int]) -> PromptAndParams:
+        """Tokenizes and validates one prompt; max_tokens defaults to the room left in the
+        context, and a prompt plus max_tokens that overflow the context is a 400."""
+        max_tokens = request.max_new_tokens()
+        try:
+            if max_tokens is None:  # validate with a placeholder, then fill the context
+                params = self.sampling_params(request, max(request.min_tokens, 1))
+            else:  # max_tokens 0 (an echoed prompt scored): one token computed, none returned
+                params = self.sampling_params(request, max(max_tokens, 1))
+            processed = self.engine.process_inputs(prompt, params)
+            room = self.max_model_len - len(processed.token_ids)
+            if max_tokens is None:
+                params = self.sampling_params(request, max(room, 1))
+                processed = self.engine.process_inputs(processed.token_ids, params)
+            elif max_tokens > room:
+                raise ParameterError(
+                    "max_tokens",
+                    f"This model's maximum context length is {self.max_model_len} tokens; the "
+                    f"prompt has {len(processed.token_ids)} and max_tokens is {max_tokens}",
+                )
+            text = prompt if isinstance(prompt, str) else None
+            return ProcessedPrompt(text, processed.token_ids), params
+        except ParameterError as exc:
+            param = request.client_param(exc.param)
+            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=param) from exc
+
+    @staticmethod
+    def sampling_params(
+        request: GenerationRequest, max_tokens: int
+    ) -> SamplingParams | BeamSearchParams:
+        """The engine parameters of a request. A stream takes delta outputs (each event is
+        what one or more steps added); a plain response only the final output."""
+        if request.use_beam_search:
+            try:
+                return BeamSearchParams(
+                    beam_width=request.best_of or request.n,
+                    max_tokens=max_tokens,
+                    num_return_sequences=request.n,
+                    length_penalty=request.length_penalty,
+                    early_stopping=request.early_stopping,
+                    min_tokens=request.min_tokens,
+                    ignore_eos=request.ignore_eos,
+                    stop_token_ids=request.stop_token_ids or [],
+                    skip_special_tokens=request.skip_special_tokens,
+                )
+            except ParameterError as exc:  # name the fields as the client sent them
+                raise ParameterError(request.client_param(exc.param), str(exc)) from exc
+        return SamplingParams(
+            n=request.n,
+            best_of=request.best_of,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=max(request.top_k, 0),
+            min_p=request.min_p,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids or [],
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=request.sample_logprobs(),
+            prompt_logprobs=request.scored_prompt_logprobs(),
+            logit_bias=_logit_bias(request.logit_bias),
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    def submit(self, request_id: str, prompts: list[PromptAndParams]) -> list[AsyncIterator]:
+        """Queues one engine request per prompt (`{request_id}-{i}`); their output streams.
+        A full queue or a stopped engine is a 503 and leaves nothing queued."""
+        arrival = time.monotonic()
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, (prompt, params) in enumerate(prompts):
+                streams.append(
+                    self.engine.add_request(f"{request_id}-{i}", prompt, params, arrival)
+                )
+        except (QueueFullError, EngineStoppedError) as exc:
+            for i in range(len(streams)):
+                self.engine.discard(f"{request_id}-{i}")
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                str(exc),
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from exc
+        return streams
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    async def timed(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Observes the inter-token latency of each request as its outputs arrive."""
+        last: dict[int, float] = {}
+        async for index, output in outputs:
+            now = time.monotonic()
+            if index in last:
+                self.metrics.itl.observe(now - last[index])
+            last[index] = now
+            yield index, output
+
+    @staticmethod
+    async def merge(
+        streams: list[AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleaves several output streams as outputs arrive; closing this generator
+        (a client that went away) cancels them all, which aborts their requests."""
+        if len(streams) == 1:
+            async for output in streams[0]:
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def vllm_prompt_logprobs(
+        self, output: RequestOutput, request: GenerationRequest
+    ) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's prompt_logprobs of an output, when the request asked for them: per prompt
+        token (None for the first) the prompt token with its rank, then the best tokens,
+        ranked 1, 2, ... (skipping the prompt token's own rank when it is among them)."""
+        if request.prompt_logprobs is None:
+            return None
+        entries, ranks = output.prompt_logprobs, output.prompt_token_ranks
+        assert entries is not None and ranks is not None, "asked for, so computed"
+        result: list[dict[str, PromptLogprob] | None] = []
+        for entry, token_rank in zip(entries, ranks, strict=True):
+            if entry is None or token_rank is None:
+                result.append(None)
+                continue
+            prompt_token, *best = entry
+            scored = {str(prompt_token): self._scored(prompt_token, entry, token_rank)}
+            rank = 1
+            for token in best:
+                rank += rank == token_rank  # that place is the prompt token's
+                scored[str(token)] = self._scored(token, entry, rank)
+                rank += 1
+            result.append(scored)
+        return result
+
+    def _scored(self, token: int, entry: dict[int, float], rank: int) -> PromptLogprob:
+        return PromptLogprob(logprob=entry[token], rank=rank, decoded_token=self.token_text(token))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (special tokens included)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _check_beam_search(request: GenerationRequest) -> None:
+    """Beam search (vLLM's use_beam_search: best_of beams, the n best returned) ranks
+    whole sequences, so it has no stream, no per-token logprobs and no stop strings."""
+    unsupported = [
+        ("stream", request.stream),
+        ("logprobs", request.sample_logprobs() is not None),
+        ("prompt_logprobs", request.prompt_logprobs is not None),
+        ("stop", bool(request.stop)),
+        ("logit_bias", bool(request.logit_bias)),
+        ("allowed_token_ids", request.allowed_token_ids is not None),
+        ("bad_words", bool(request.bad_words)),
+    ]
+    for param, present in unsupported:
+        if present:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"{param} is not supported with use_beam_search",
+                param=param,
+            )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) as the engine's, each bias clamped to
+    [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] as OpenAI does."""
+    if not bias:
+        return None
+    converted = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        converted[int(key)] = min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+    return converted
+
+
+def engine_error(exc: Exception) -> APIError:
+    """What a client is told when its request's outputs end in an exception: the engine is
+    stopping (503), the request was refused on admission (400) or failed inside the engine
+    while the engine went on serving others (500); anything else is a server bug (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineStoppedError):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+    if isinstance(exc, ParameterError):
+        return APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param)
+    if isinstance(exc, RequestFailedError):
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"the request failed: {exc}")
+    logger.error("request failed", exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}")
+
+
+async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | None:
+    """Awaits `work` while listening for the client's disconnect (the body has been read,
+    so the next ASGI message is http.disconnect); a disconnect cancels `work` (closing its
+    output streams aborts their requests) and returns None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def usage(prompts: list[PromptAndParams], completion_tokens: int) -> Usage:
+    """Token counts of a response: every prompt, and the completion tokens returned."""
+    prompt_tokens = sum(len(p.token_ids) for p, _ in prompts)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
