@@ -1,11 +1,17 @@
 """Chat templates render as transformers' apply_chat_template renders them (the oracle)."""
 
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from octavo.engine.errors import ParameterError
-from octavo.server.chat_template import ChatTemplate
+from octavo.server.chat_template import ChatTemplate, load_chat_template
 
 CHATML = (
     "{% for message in messages %}"
@@ -95,3 +101,49 @@ def test_load_takes_a_file_or_the_template_itself(tmp_path):
     assert from_file.render(MESSAGES) == inline.render(MESSAGES)
     with pytest.raises(ValueError, match="neither a readable file nor a Jinja template"):
         ChatTemplate.load(str(tmp_path / "missing.jinja"))
+
+
+def checkpoint_with(tiny_model_dir: str, folder: Path, tokenizer_config: dict | None) -> str:
+    """The tiny checkpoint (config and tokenizer) with this tokenizer_config.json."""
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(Path(tiny_model_dir) / name, folder / name)
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(folder)
+
+
+def test_a_checkpoint_without_a_template_has_none_unless_the_flag_gives_one(
+    tiny_model_dir, tmp_path
+):
+    model = checkpoint_with(tiny_model_dir, tmp_path, None)
+    assert load_chat_template(None, model, "auto") is None
+    # The special tokens default to the texts of config.json's BOS and EOS ids.
+    flagged = load_chat_template("{{ bos_token }}|{{ eos_token }}", model, "auto")
+    assert flagged is not None and flagged.render(MESSAGES) == "<|endoftext|>|<|endoftext|>"
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [CHATML, [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHATML}]],
+    ids=["string", "named"],
+)
+def test_the_checkpoints_template_and_tokens_are_used(tiny_model_dir, tmp_path, stored):
+    config = {"chat_template": stored, "eos_token": {"content": "</s>"}, "bos_token": "<s>"}
+    template = load_chat_template(None, checkpoint_with(tiny_model_dir, tmp_path, config), "auto")
+    assert template is not None and template.render(MESSAGES) == hf_render(CHATML, MESSAGES, True)
+    assert template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    # --chat-template wins over the checkpoint's.
+    flagged = load_chat_template(LLAMA2, checkpoint_with(tiny_model_dir, tmp_path, config), "auto")
+    assert flagged is not None and flagged.source == LLAMA2
+
+
+def test_an_invalid_template_stops_the_server_at_startup(tiny_model_dir):
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        load_chat_template("{% for m in messages %}", tiny_model_dir, "auto")
+    result = subprocess.run(
+        [sys.executable, "-m", "octavo", "serve", "--model", tiny_model_dir, "--device", "cpu",
+         "--chat-template", "{% if %}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "not valid Jinja" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
