@@ -90,7 +90,9 @@ def run_fake_core(
     added = 0
 
     def stats() -> EngineStats:
-        return EngineStats(len(running), 0, FAKE_NUM_BLOCKS, FAKE_NUM_BLOCKS, 0.0, 0, 0, 0, added)
+        return EngineStats(
+            len(running), 0, FAKE_NUM_BLOCKS, FAKE_NUM_BLOCKS, 0.0, 0, 0, 0, added, 0, 0
+        )
 
     outputs.send(encoder.encode(EngineCoreReady(limits, stats())))
     while True:

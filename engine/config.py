@@ -70,6 +70,11 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never replay decode steps from CUDA graphs"}
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "reuse the KV blocks of prompt prefixes computed before (full "
+                  "blocks, found by the hash of their tokens and prefix)"},
+    )  # fmt: skip
     async_scheduling: bool = field(
         default=False,
         metadata={"help": "schedule each step while the previous one runs; its tokens reach "

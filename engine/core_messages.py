@@ -90,7 +90,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     hypotheses of a beam search, or `error` when processing the request raised. A request
     that asked for prompt logprobs gets them chunk by chunk as its prompt is computed (in
     outputs that may carry no tokens). `first_scheduled_time` (time.monotonic(): one clock
-    for every process of the host) comes with the first token and with the end."""
+    for every process of the host) and `num_cached_tokens` come with the first token and
+    with the end."""
 
     request_id: str
     samples: list[SampleDelta] = []
@@ -99,6 +100,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     beams: list[BeamResult] | None = None
     first_scheduled_time: float | None = None
     prompt_logprobs: PromptLogprobs | None = None  # the next prompt tokens' (in order)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -115,6 +117,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_requests_added: int
+    num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int  # of which were cached
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

@@ -87,7 +87,9 @@ class EngineCore:
             )
 
         num_blocks = config.num_blocks or self._default_num_blocks(loaded.model, backend, dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         needed = self.block_manager.num_blocks_for_tokens(self.max_model_len)
         if needed > self.block_manager.num_usable_blocks:
             raise ValueError(
@@ -312,6 +314,7 @@ class EngineCore:
             error=group.error,
             beams=_beam_results(group) if group.beam is not None else None,
             first_scheduled_time=group.first_scheduled_time,
+            num_cached_tokens=group.num_cached_tokens,
         )
 
     def stats(self) -> EngineStats:
@@ -326,6 +329,8 @@ class EngineCore:
             num_prompt_tokens=self.scheduler.num_prompt_tokens,
             num_generation_tokens=self.scheduler.num_generation_tokens,
             num_requests_added=self._num_requests_added,
+            num_prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
         )
 
 

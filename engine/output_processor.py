@@ -71,6 +71,7 @@ class _RequestState:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
+    num_cached_tokens: int | None = None
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -157,6 +158,8 @@ class OutputProcessor:
         now = time.monotonic()
         if output.first_scheduled_time is not None:
             state.first_scheduled_time = output.first_scheduled_time
+        if output.num_cached_tokens is not None:
+            state.num_cached_tokens = output.num_cached_tokens
         chunk = output.prompt_logprobs
         if chunk is not None and state.prompt_logprobs is not None:
             assert state.prompt_token_ranks is not None
@@ -208,6 +211,7 @@ class OutputProcessor:
             output.error if finished else None,
             prompt_logprobs,
             ranks,
+            state.num_cached_tokens,
         )
 
     def _sample(self, state: _RequestState, index: int) -> _SampleState:
@@ -323,6 +327,7 @@ class OutputProcessor:
             True,
             self._metrics(state, now),
             error,
+            num_cached_tokens=state.num_cached_tokens,
         )
 
     @staticmethod

@@ -74,6 +74,8 @@ class RequestOutput:
     # ranks among the vocabulary at their positions (1: the most likely; None first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
+    # Prompt tokens whose K/V came from the prefix cache (None until the request is admitted).
+    num_cached_tokens: int | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Merges a later delta output of the same request into this one (a client reading
@@ -89,6 +91,8 @@ class RequestOutput:
         self.finished = later.finished
         self.metrics = later.metrics
         self.error = later.error
+        if later.num_cached_tokens is not None:
+            self.num_cached_tokens = later.num_cached_tokens
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
             self.prompt_token_ranks = later.prompt_token_ranks

@@ -48,9 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         if "choices" in config_field.metadata:
             options["choices"] = list(config_field.metadata["choices"])
         kind = _flag_type(hints[config_field.name])
-        if kind is bool:
-            assert config_field.default is False, "a boolean setting is an opt-in flag"
-            group.add_argument(flag, action="store_true", **options)
+        if kind is bool:  # --name, and --no-name for a setting on by default
+            action = argparse.BooleanOptionalAction if config_field.default else "store_true"
+            group.add_argument(flag, action=action, default=config_field.default, **options)
         elif config_field.name == "model":
             group.add_argument(
                 flag, required=default_model is None, default=default_model, **options

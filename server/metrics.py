@@ -33,6 +33,13 @@ class EngineStatsCollector(Collector):
         yield _counter("num_preemptions", "Preemptions by recompute.", stats.num_preemptions)
         yield _counter("prompt_tokens", "Prompt tokens admitted.", stats.num_prompt_tokens)
         yield _counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        yield _counter(
+            "prefix_cache_queries", "Tokens looked up in the prefix cache.",
+            stats.num_prefix_cache_queries,
+        )  # fmt: skip
+        yield _counter(
+            "prefix_cache_hits", "Tokens found in the prefix cache.", stats.num_prefix_cache_hits
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,10 +1,19 @@
-"""KV-cache block bookkeeping: free list, ref counts, block tables, fork and copy-on-write."""
+"""KV-cache block bookkeeping: free list, ref counts, block tables, fork and copy-on-write,
+and the prefix cache (full blocks found again by the hash of their tokens and prefix)."""
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from octavo.engine.core.sequence import Sequence
 
 NULL_BLOCK = 0  # reserved: padded block-table entries point here, never allocated
+# The parent hash of a sequence's first block.
+ROOT_HASH = b""
+# Token ids as hashed: 32-bit, enough for any GPT-2 vocabulary.
+TOKEN_TYPECODE = "i"
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -24,13 +33,26 @@ class BlockManager:
     It also records, for the model runner's persistent rows, which tables changed (created,
     grown, a copy-on-write swap, a fork) and which were dropped since the last step
     (`take_changes`): a steady decode inside its last block changes nothing.
+
+    Prefix caching (`enable_prefix_caching`): a full block is named by the SHA-256 of its
+    parent block's hash and its token ids, so equal names mean equal K/V (the K/V of a token
+    depends on it and every token before it, nothing else). A sequence's full blocks are
+    registered under their names when the scheduler allocates past them (prompt chunks,
+    block boundaries) and when the sequence is freed. A registered block nobody holds is
+    not forgotten: it waits, least recently released first, in `_evictable`, and counts as
+    free. `cached_prefix` finds the longest run of registered blocks that starts a
+    sequence's tokens, `take_prefix` gives them to it; allocation takes a never-registered
+    free block first, then evicts the least recently released cached one. A block's name
+    is dropped only when it is evicted; its content never changes while it has one
+    (copy-on-write only ever copies a partial, hence unregistered, block).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         # A stack: pop() and append() are O(1); low ids are handed out first.
         self._free_blocks = list(range(num_blocks - 1, NULL_BLOCK, -1))
@@ -38,12 +60,25 @@ class BlockManager:
         self._copies: list[tuple[int, int]] = []
         self._changed: set[int] = set()
         self._freed: list[int] = []
+        # Prefix cache: a registered block's name, the block of each name, the registered
+        # blocks nobody holds (least recently released first), and the names of the full
+        # blocks of each sequence that has a table or has been looked up.
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._cached_blocks: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._seq_hashes: dict[int, list[bytes]] = {}
 
     # -- queries -----------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks an allocation may take: free ones and cached ones nobody holds."""
+        return len(self._free_blocks) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, held or evictable."""
+        return len(self._cached_blocks)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -90,16 +125,26 @@ class BlockManager:
     # -- mutations ---------------------------------------------------------------------------
 
     def _allocate_block(self) -> int:
-        if not self._free_blocks:
+        if self._free_blocks:
+            block = self._free_blocks.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)  # the least recently released
+            name = self._block_hashes[block]
+            assert name is not None, "an evictable block is registered"
+            del self._cached_blocks[name]
+            self._block_hashes[block] = None
+        else:
             raise NoFreeBlocksError("no free KV-cache block; call can_append first")
-        block = self._free_blocks.pop()
         self.ref_counts[block] = 1
         return block
 
     def _release_block(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free_blocks.append(block)
+            if self._block_hashes[block] is None:
+                self._free_blocks.append(block)
+            else:
+                self._evictable[block] = None
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Makes room for the tokens [num_computed, num_computed + num_new_tokens) of `seq`.
@@ -123,6 +168,8 @@ class BlockManager:
             self._copies.append((src, dst))
         while len(table) < target:
             table.append(self._allocate_block())
+        if self.enable_prefix_caching:
+            self._register(seq, table, seq.num_computed_tokens + num_new_tokens)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Gives `child` its parent's table; every shared block gains one reference."""
@@ -131,16 +178,85 @@ class BlockManager:
             self.ref_counts[block] += 1
         self.block_tables[child.seq_id] = list(table)
         self._changed.add(child.seq_id)
+        if parent.seq_id in self._seq_hashes:  # their full blocks are the same
+            self._seq_hashes[child.seq_id] = list(self._seq_hashes[parent.seq_id])
 
     def free(self, seq: Sequence) -> None:
-        """Drops `seq`'s table; blocks nobody else holds go back to the free list."""
+        """Drops `seq`'s table; blocks nobody else holds go back to the free list (with
+        prefix caching, its computed full blocks are registered first and wait as evictable;
+        the last blocks are released first, so they are evicted before the first)."""
         table = self.block_tables.pop(seq.seq_id, None)
         if table is None:
+            self._seq_hashes.pop(seq.seq_id, None)  # looked up while it waited
             return
         self._changed.discard(seq.seq_id)
         self._freed.append(seq.seq_id)
+        if self.enable_prefix_caching:
+            self._register(seq, table, seq.num_computed_tokens)
+            self._seq_hashes.pop(seq.seq_id, None)
         for block in reversed(table):
             self._release_block(block)
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The registered blocks that hold the longest prefix of `seq`'s tokens made of full
+        blocks, leaving at least its last token to compute (its logits are needed). Takes
+        nothing: `take_prefix` does. Empty without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        names = self._names(seq, (len(seq.token_ids) - 1) // self.block_size)
+        blocks = []
+        for name in names:
+            block = self._cached_blocks.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take_prefix(self, seq: Sequence, blocks: list[int]) -> None:
+        """Makes `blocks` (from `cached_prefix`) the start of `seq`'s table, which it must not
+        have yet; the caller sets `seq.num_computed_tokens` past them. An evictable block
+        leaves the LRU list."""
+        assert seq.seq_id not in self.block_tables, "a prefix starts a new table"
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+        self.block_tables[seq.seq_id] = list(blocks)
+        self._changed.add(seq.seq_id)
+
+    def release_prefix(self, seq: Sequence) -> None:
+        """Undoes `take_prefix` before anything was computed into `seq`'s table: its blocks
+        go back to where they were, without registering or reporting anything."""
+        table = self.block_tables.pop(seq.seq_id)
+        self._changed.discard(seq.seq_id)
+        for block in table:
+            self._release_block(block)
+
+    def _names(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of `seq`'s first `num_blocks` full blocks (computed once per block)."""
+        names = self._seq_hashes.setdefault(seq.seq_id, [])
+        tokens, size = seq.token_ids, self.block_size
+        parent = names[-1] if names else ROOT_HASH
+        for index in range(len(names), num_blocks):
+            block_tokens = array(TOKEN_TYPECODE, tokens[index * size : (index + 1) * size])
+            parent = hashlib.sha256(parent + block_tokens.tobytes()).digest()
+            names.append(parent)
+        return names
+
+    def _register(self, seq: Sequence, table: list[int], num_computed: int) -> None:
+        """Registers the full blocks of `seq` whose every token is known and computed (or
+        scheduled) in its first `num_computed` positions. A name already registered keeps
+        its block: the same content computed twice is cached once."""
+        num_full = min(num_computed, len(seq.token_ids)) // self.block_size
+        names = self._names(seq, num_full)
+        hashes, cached = self._block_hashes, self._cached_blocks
+        for index in range(num_full):
+            block = table[index]
+            if hashes[block] is None and names[index] not in cached:
+                hashes[block] = names[index]
+                cached[names[index]] = block
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, in recording order."""
@@ -163,12 +279,22 @@ class BlockManager:
             for block in table:
                 holders[block] += 1
         free = set(self._free_blocks)
+        evictable = set(self._evictable)
         assert len(free) == len(self._free_blocks), "a block is on the free list twice"
-        assert NULL_BLOCK not in free and holders[NULL_BLOCK] == 0, "the null block is in use"
+        assert not free & evictable, "a block is both free and evictable"
+        assert NULL_BLOCK not in free | evictable and holders[NULL_BLOCK] == 0, "null block used"
         used = sum(1 for b in range(1, self.num_blocks) if holders[b] > 0)
-        assert len(free) + used == self.num_usable_blocks, "free + used != total"
+        assert len(free) + len(evictable) + used == self.num_usable_blocks, "free + used != all"
         for block in range(1, self.num_blocks):
             assert self.ref_counts[block] == holders[block], (
                 f"block {block}: ref count {self.ref_counts[block]} != {holders[block]} holders"
             )
-            assert not (block in free and holders[block]), f"free block {block} is referenced"
+            assert not (block in free | evictable and holders[block]), f"free {block} is held"
+            name = self._block_hashes[block]
+            assert (name is None) == (block not in self._cached_blocks.values()), (
+                f"block {block}: registered in one map only"
+            )
+            assert name is None or self._cached_blocks[name] == block, f"block {block}: name"
+            assert block not in free or name is None, f"free block {block} is registered"
+            assert block not in evictable or name is not None, f"unregistered {block} evictable"
+        assert self.enable_prefix_caching or not self._cached_blocks, "cached while disabled"

@@ -78,6 +78,8 @@ class Scheduler:
         self._num_running_seqs: int | None = None  # None: to be recounted
         self._sample_rows: dict[int, tuple[SamplingRequest]] = {}  # see _sample_row
         self._num_prompt_logprobs_spans = 0  # in the step being scheduled
+        self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_cache_hits = 0  # of which were found
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
 
     def new_seq_id(self) -> int:
@@ -208,9 +210,13 @@ class Scheduler:
                 break
             if any(seq.num_pending_tokens for seq in seqs):
                 break  # preempted with a token in flight: recomputed once it has arrived
+            num_cached = self._take_cached_prefix(group, seqs)
             plan = self._plan(group, budget)
             if not self._fits(plan):
+                if num_cached:
+                    self._return_cached_prefix(seqs[0])
                 break
+            self._count_prefix_lookup(group, seqs, num_cached)
             self.waiting.popleft()
             self.running.append(group)
             self._num_running_seqs = None
@@ -233,6 +239,40 @@ class Scheduler:
             preempted=preempted,
             has_prompt_logprobs=self._num_prompt_logprobs_spans > 0,
         )
+
+    def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
+        """Gives a sequence about to be admitted the cached blocks of its longest prefix and
+        advances it past them; returns the tokens it skips. Only a group with one sequence
+        and nothing computed looks up (a preempted group of several samples or beams is
+        recomputed as a whole), and never one that asks for prompt logprobs (cached
+        positions have no logits: the whole prompt is computed to score it, as in vLLM)."""
+        if len(seqs) != 1 or seqs[0].num_computed_tokens or group.wants_prompt_logprobs:
+            return 0
+        seq = seqs[0]
+        blocks = self.block_manager.cached_prefix(seq)
+        if not blocks:
+            return 0
+        self.block_manager.take_prefix(seq, blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_manager.block_size
+        return seq.num_computed_tokens
+
+    def _return_cached_prefix(self, seq: Sequence) -> None:
+        """Undoes `_take_cached_prefix` for a sequence that does not fit after all."""
+        self.block_manager.release_prefix(seq)
+        seq.num_computed_tokens = 0
+
+    def _count_prefix_lookup(
+        self, group: SequenceGroup, seqs: list[Sequence], num_cached: int
+    ) -> None:
+        """The first admission sets the request's cached tokens (0 without prefix caching);
+        vLLM's prefix-cache counters, in tokens: each admission that looked up queries the
+        sequence's tokens."""
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = num_cached
+        if self.block_manager.enable_prefix_caching and len(seqs) == 1:
+            if not group.wants_prompt_logprobs:
+                self.num_prefix_cache_queries += len(seqs[0].token_ids)
+                self.num_prefix_cache_hits += num_cached
 
     def _decode_in_place(
         self, group: SequenceGroup, seqs: list[Sequence], decodes: list[ScheduledSequence]
@@ -472,9 +512,15 @@ class Scheduler:
                         any_finished = True
                         update.finished.append((group, [delta]))
                     else:
-                        when = group.first_scheduled_time if first else None
+                        when, cached = (
+                            (group.first_scheduled_time, group.num_cached_tokens)
+                            if first
+                            else (None, None)
+                        )
                         progressed.append(
-                            EngineCoreOutput(group.request_id, [delta], False, None, None, when)
+                            EngineCoreOutput(
+                                group.request_id, [delta], False, None, None, when, None, cached
+                            )
                         )
                     continue
                 entry = gathered.get(id(group))
@@ -494,9 +540,13 @@ class Scheduler:
                 any_finished = True
                 update.finished.append((group, deltas))
             else:
-                scheduled_time = group.first_scheduled_time if first else None
+                when, cached = (
+                    (group.first_scheduled_time, group.num_cached_tokens) if first else (None, None)
+                )
                 progressed.append(
-                    EngineCoreOutput(group.request_id, deltas, False, None, None, scheduled_time)
+                    EngineCoreOutput(
+                        group.request_id, deltas, False, None, None, when, None, cached
+                    )
                 )
         if beam_groups:
             self._num_running_seqs = None  # a first step turns one sequence into beams

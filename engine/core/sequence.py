@@ -142,6 +142,8 @@ class SequenceGroup:
     # Prompt logprobs: positions below this were scheduled for them already (a recompute
     # after preemption does not score them again).
     prompt_logprobs_next: int = 0
+    # Prompt tokens found in the prefix cache at first admission (None: not admitted yet).
+    num_cached_tokens: int | None = None
     generators: list[torch.Generator | None] = field(init=False, repr=False)
     # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
     # reads it for every running request of every step.
@@ -158,6 +160,11 @@ class SequenceGroup:
             None if seed is None else torch.Generator(device=self.device).manual_seed(seed + i)
             for i in range(self.num_sequences)
         ]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        params = self.sampling_params
+        return isinstance(params, SamplingParams) and params.prompt_logprobs is not None
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:
