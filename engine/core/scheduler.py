@@ -269,10 +269,10 @@ class Scheduler:
         sequence's tokens."""
         if group.num_cached_tokens is None:
             group.num_cached_tokens = num_cached
-        if self.block_manager.enable_prefix_caching and len(seqs) == 1:
-            if not group.wants_prompt_logprobs:
-                self.num_prefix_cache_queries += len(seqs[0].token_ids)
-                self.num_prefix_cache_hits += num_cached
+        looked_up = len(seqs) == 1 and not group.wants_prompt_logprobs
+        if looked_up and self.block_manager.enable_prefix_caching:
+            self.num_prefix_cache_queries += len(seqs[0].token_ids)
+            self.num_prefix_cache_hits += num_cached
 
     def _decode_in_place(
         self, group: SequenceGroup, seqs: list[Sequence], decodes: list[ScheduledSequence]
