@@ -289,10 +289,15 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def completion_id() -> str:

@@ -153,7 +153,11 @@ class ChatServing(EngineServing):
             id=request_id,
             model=self.config.served_model_name,
             choices=choices,
-            usage=usage(prompts, sum(len(c.token_ids) for c in final.outputs)),
+            usage=usage(
+                prompts,
+                sum(len(c.token_ids) for c in final.outputs),
+                final.num_cached_tokens or 0,
+            ),
             prompt_logprobs=self.vllm_prompt_logprobs(final, request),
         )
 
@@ -189,8 +193,11 @@ class ChatServing(EngineServing):
             role = ChatDelta(role="assistant", content="")
             yield chunk([ChatChunkChoice(index=index, delta=role)])
         first = True
+        cached_tokens = 0  # prompt tokens found in the prefix cache
         try:
             async for _, output in self.timed(self.merge(streams)):
+                if output.num_cached_tokens is not None:
+                    cached_tokens = output.num_cached_tokens
                 for completion in output.outputs:
                     completion_tokens[completion.index] += len(completion.token_ids)
                     choice = ChatChunkChoice(
@@ -215,7 +222,7 @@ class ChatServing(EngineServing):
                 if output.finished and output.metrics is not None:
                     self.metrics.observe_finished(output.metrics)
             if include_usage:
-                yield chunk([], usage=usage(prompts, sum(completion_tokens)))
+                yield chunk([], usage=usage(prompts, sum(completion_tokens), cached_tokens))
         except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
             yield sse_event(engine_error(exc).body())
         yield SSE_DONE

@@ -92,9 +92,10 @@ class CompletionServing(EngineServing):
         except Exception as exc:
             raise engine_error(exc) from exc
         choices = []
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         for index, final in enumerate(finals):
             assert final is not None and final.finished
+            cached_tokens += final.num_cached_tokens or 0
             if final.metrics is not None:
                 self.metrics.observe_finished(final.metrics)
             for completion in final.outputs:
@@ -110,7 +111,7 @@ class CompletionServing(EngineServing):
             id=request_id,
             model=self.config.served_model_name,
             choices=choices,
-            usage=usage(prompts, completion_tokens),
+            usage=usage(prompts, completion_tokens, cached_tokens),
         )
 
     async def _stream(
@@ -127,12 +128,15 @@ class CompletionServing(EngineServing):
         text_offsets: dict[int, int] = {}
         completion_tokens = 0
         choice_tokens: dict[int, int] = {}  # completion tokens per choice (continuous usage)
+        cached_tokens: dict[int, int] = {}  # per prompt, from the prefix cache
         options = request.stream_options
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         created = int(time.time())
         try:
             async for index, output in self.timed(self.merge(streams)):
+                if output.num_cached_tokens is not None:
+                    cached_tokens[index] = output.num_cached_tokens
                 for completion in output.outputs:
                     choice_index = index * request.n + completion.index
                     first = choice_index not in text_offsets
@@ -175,7 +179,7 @@ class CompletionServing(EngineServing):
                         created=created,
                         model=self.config.served_model_name,
                         choices=[],
-                        usage=usage(prompts, completion_tokens),
+                        usage=usage(prompts, completion_tokens, sum(cached_tokens.values())),
                     )
                 )
         except Exception as exc:  # an error event, then [DONE]: never a cut-off stream

@@ -27,7 +27,7 @@ from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, S
 from octavo.engine.tokenizer import Tokenizer
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
-from octavo.server.protocol import GenerationRequest, PromptLogprob, Usage
+from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
 
 if TYPE_CHECKING:
     from octavo.server.chat_template import ChatTemplate
@@ -368,11 +368,13 @@ async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | N
     return None
 
 
-def usage(prompts: list[PromptAndParams], completion_tokens: int) -> Usage:
-    """Token counts of a response: every prompt, and the completion tokens returned."""
+def usage(prompts: list[PromptAndParams], completion_tokens: int, cached_tokens: int) -> Usage:
+    """Token counts of a response: every prompt (`cached_tokens` of them found in the prefix
+    cache), and the completion tokens returned."""
     prompt_tokens = sum(len(p.token_ids) for p, _ in prompts)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )

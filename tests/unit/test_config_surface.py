@@ -34,6 +34,10 @@ def test_flags_parse_to_the_fields():
     assert (config.num_blocks, config.dtype, config.attention_backend) == (64, "float32", "torch")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float8"])  # choices come from the field
+    # A setting on by default is turned off with --no-...
+    assert config.enable_prefix_caching
+    off = build_parser().parse_args(["serve", "--no-enable-prefix-caching"])
+    assert not engine_config_from_args(off).enable_prefix_caching
 
 
 def test_llm_takes_every_field_by_keyword(tiny_model_dir):
