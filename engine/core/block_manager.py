@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from octavo.engine.core.sequence import Sequence
 
@@ -14,6 +15,15 @@ NULL_BLOCK = 0  # reserved: padded block-table entries point here, never allocat
 ROOT_HASH = b""
 # Token ids as hashed: 32-bit, enough for any GPT-2 vocabulary.
 TOKEN_TYPECODE = "i"
+
+
+@dataclass(slots=True)
+class _BlockNames:
+    """A sequence's full-block names, in order, and how many of its blocks `_register` has
+    seen (so each block is looked at once, not at every allocation)."""
+
+    names: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -66,7 +76,7 @@ class BlockManager:
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         self._cached_blocks: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._seq_hashes: dict[int, list[bytes]] = {}
+        self._seq_names: dict[int, _BlockNames] = {}
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -178,8 +188,9 @@ class BlockManager:
             self.ref_counts[block] += 1
         self.block_tables[child.seq_id] = list(table)
         self._changed.add(child.seq_id)
-        if parent.seq_id in self._seq_hashes:  # their full blocks are the same
-            self._seq_hashes[child.seq_id] = list(self._seq_hashes[parent.seq_id])
+        names = self._seq_names.get(parent.seq_id)
+        if names is not None:  # their full blocks are the same
+            self._seq_names[child.seq_id] = _BlockNames(list(names.names), names.num_registered)
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s table; blocks nobody else holds go back to the free list (with
@@ -187,13 +198,13 @@ class BlockManager:
         the last blocks are released first, so they are evicted before the first)."""
         table = self.block_tables.pop(seq.seq_id, None)
         if table is None:
-            self._seq_hashes.pop(seq.seq_id, None)  # looked up while it waited
+            self._seq_names.pop(seq.seq_id, None)  # looked up while it waited
             return
         self._changed.discard(seq.seq_id)
         self._freed.append(seq.seq_id)
         if self.enable_prefix_caching:
             self._register(seq, table, seq.num_computed_tokens)
-            self._seq_hashes.pop(seq.seq_id, None)
+            self._seq_names.pop(seq.seq_id, None)
         for block in reversed(table):
             self._release_block(block)
 
@@ -205,7 +216,7 @@ class BlockManager:
         nothing: `take_prefix` does. Empty without prefix caching."""
         if not self.enable_prefix_caching:
             return []
-        names = self._names(seq, (len(seq.token_ids) - 1) // self.block_size)
+        names = self._names(seq, (len(seq.token_ids) - 1) // self.block_size).names
         blocks = []
         for name in names:
             block = self._cached_blocks.get(name)
@@ -234,29 +245,36 @@ class BlockManager:
         for block in table:
             self._release_block(block)
 
-    def _names(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The names of `seq`'s first `num_blocks` full blocks (computed once per block)."""
-        names = self._seq_hashes.setdefault(seq.seq_id, [])
+    def _names(self, seq: Sequence, num_blocks: int) -> _BlockNames:
+        """`seq`'s block names, at least its first `num_blocks` (each computed once)."""
+        entry = self._seq_names.get(seq.seq_id)
+        if entry is None:
+            entry = self._seq_names[seq.seq_id] = _BlockNames()
+        names = entry.names
         tokens, size = seq.token_ids, self.block_size
         parent = names[-1] if names else ROOT_HASH
         for index in range(len(names), num_blocks):
             block_tokens = array(TOKEN_TYPECODE, tokens[index * size : (index + 1) * size])
             parent = hashlib.sha256(parent + block_tokens.tobytes()).digest()
             names.append(parent)
-        return names
+        return entry
 
     def _register(self, seq: Sequence, table: list[int], num_computed: int) -> None:
         """Registers the full blocks of `seq` whose every token is known and computed (or
         scheduled) in its first `num_computed` positions. A name already registered keeps
         its block: the same content computed twice is cached once."""
         num_full = min(num_computed, len(seq.token_ids)) // self.block_size
-        names = self._names(seq, num_full)
-        hashes, cached = self._block_hashes, self._cached_blocks
-        for index in range(num_full):
+        entry = self._seq_names.get(seq.seq_id)
+        if entry is not None and num_full <= entry.num_registered:
+            return  # no block filled since the last call (a decode in its last block)
+        entry = self._names(seq, num_full)
+        names, hashes, cached = entry.names, self._block_hashes, self._cached_blocks
+        for index in range(entry.num_registered, num_full):
             block = table[index]
             if hashes[block] is None and names[index] not in cached:
                 hashes[block] = names[index]
                 cached[names[index]] = block
+        entry.num_registered = max(entry.num_registered, num_full)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies recorded since the last call, in recording order."""
@@ -283,6 +301,8 @@ class BlockManager:
         assert len(free) == len(self._free_blocks), "a block is on the free list twice"
         assert not free & evictable, "a block is both free and evictable"
         assert NULL_BLOCK not in free | evictable and holders[NULL_BLOCK] == 0, "null block used"
+        registered = set(self._cached_blocks.values())
+        assert len(registered) == len(self._cached_blocks), "a block has two names"
         used = sum(1 for b in range(1, self.num_blocks) if holders[b] > 0)
         assert len(free) + len(evictable) + used == self.num_usable_blocks, "free + used != all"
         for block in range(1, self.num_blocks):
@@ -291,7 +311,7 @@ class BlockManager:
             )
             assert not (block in free | evictable and holders[block]), f"free {block} is held"
             name = self._block_hashes[block]
-            assert (name is None) == (block not in self._cached_blocks.values()), (
+            assert (name is None) == (block not in registered), (
                 f"block {block}: registered in one map only"
             )
             assert name is None or self._cached_blocks[name] == block, f"block {block}: name"

@@ -44,3 +44,17 @@ def test_beam_bench_against_hf(tmp_path):
     (config,) = result["results"].values()
     assert config["best_beam_match"]["matched"] == config["best_beam_match"]["compared"] == 2
     assert config["throughput_ratio"] > 0 and config["copy_bytes_reduction"] > 0
+
+
+def test_prefix_caching_benchmark_hits_only_where_prompts_share(tmp_path):
+    result = run(
+        "prefix_caching.py", tmp_path / "p.json",
+        "--num-requests", "4", "--shared-len", "48", "--unique-len", "20", "--output-len", "2",
+        "--conversations", "2", "--turns", "2", "--repeats", "1",
+    )  # fmt: skip
+    on, off = result["caching_on"], result["caching_off"]
+    assert set(on) == set(off) == {"shared", "multi_turn", "unique"}
+    # 16-token blocks: 3 of each 68-token shared prompt's 4 full blocks are the shared 48.
+    assert on["shared"]["hit_rate"] > 0.3 and on["multi_turn"]["hit_rate"] > 0.2
+    assert on["unique"]["hit_rate"] == 0 and off["shared"]["hit_rate"] is None
+    assert all(r["ttft_median_off/on"] > 0 for r in result["ratios"].values())

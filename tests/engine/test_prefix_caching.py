@@ -164,3 +164,32 @@ def test_a_request_reports_its_cached_prompt_tokens(eos_model_dir, prompts):
     off = engine_for(eos_model_dir, num_blocks=400, block_size=8, enable_prefix_caching=False)
     [cold] = run_in_waves(off, [[prompts[0]], [prompts[0]]], greedy)[1:]
     assert cold.num_cached_tokens == 0
+
+
+def test_aborts_mid_prefill_and_mid_decode_leave_every_block_free_or_cached(
+    eos_model_dir, prompts, expected
+):
+    """Requests that share blocks are aborted while prefilling and while decoding; the
+    others finish as HF says, and nothing leaks."""
+    engine = engine_for(eos_model_dir, num_blocks=300, block_size=4, max_num_batched_tokens=24)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for i, prompt in enumerate(prompts[:6]):
+        engine.add_request(f"r{i}", prompt, greedy)
+    finished: dict[str, RequestOutput] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == 2:
+            aborted = engine.abort_request("r1")  # still prefilling (24 tokens a step)
+            assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
+        if step == 30:
+            engine.abort_request("r3")  # decoding, or finished already
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.block_manager.check_invariants()
+        step += 1
+    for i in (0, 2, 4, 5):
+        assert finished[f"r{i}"].outputs[0].token_ids == expected[i], f"prompt {i}"
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks and bm.num_cached_blocks > 0
+    assert engine.stats().num_prefix_cache_hits > 0

@@ -210,5 +210,5 @@ def test_a_waiting_sequence_that_is_aborted_leaves_nothing():
     waiting = seq_of(0, TOKENS)
     assert bm.cached_prefix(waiting) == []  # looked up (names computed), never admitted
     bm.free(waiting)
-    assert bm._seq_hashes == {}
+    assert bm._seq_names == {}
     all_back(bm)
