@@ -1,7 +1,8 @@
 """Prefix caching: TTFT, throughput and hit rate with caching on and off, on three workloads.
 
 Workloads (offline `LLM.generate`, greedy, EOS ignored; random token-id prompts drawn with
-random.Random(seed + repeat), so every timed run starts from prompts the cache has never seen):
+random.Random(workload, seed + repeat), so every timed run starts from prompts the cache has
+never seen):
   shared      --num-requests requests at once, each a --shared-len-token prefix common to
               all plus --unique-len tokens of its own, --output-len new tokens each.
   multi_turn  --conversations conversations of --turns turns: each turn resends the whole
@@ -94,8 +95,9 @@ def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Reque
 
 
 def run_workload(llm: LLM, workload: str, args: argparse.Namespace, seed: int) -> Run:
-    """One run of `workload` on prompts drawn from `seed`; times everything but drawing."""
-    rng = random.Random(seed)
+    """One run of `workload` on prompts drawn from `seed` (and the workload: no two
+    workloads draw the same tokens); times everything but drawing."""
+    rng = random.Random(f"{workload}-{seed}")
     vocab, out_len = args.vocab, args.output_len
     stats_before = llm.engine.stats()
     outputs: list[RequestOutput] = []
