@@ -135,6 +135,8 @@ class GenerationRequest(BaseModel, ABC):
     def _nulls_and_unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        if data.get("response_format") == {"type": "text"}:  # the default, said explicitly
+            data = {key: value for key, value in data.items() if key != "response_format"}
         for name in cls.UNSUPPORTED:
             if data.get(name) not in (None, []):  # an empty list (of tools, say) asks for nothing
                 raise PydanticCustomError(
@@ -142,8 +144,6 @@ class GenerationRequest(BaseModel, ABC):
                     "{field} is not supported by this server yet",
                     {"field": name},
                 )
-        if data.get("response_format") == {"type": "text"}:  # the default, said explicitly
-            data = {key: value for key, value in data.items() if key != "response_format"}
         unknown = sorted(k for k in data if k not in cls.model_fields)
         if unknown:
             logger.warning("ignoring unknown %s fields: %s", cls.__name__, unknown[:8])

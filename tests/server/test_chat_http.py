@@ -198,6 +198,10 @@ def test_chat_takes_the_completion_parameters(server, client):
     ).json()
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["choices"][0]["stop_reason"] == 65
+    # The default response format, said explicitly, and an empty tool list ask for nothing.
+    plain = {"response_format": {"type": "text"}, "tools": []}
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2} | plain
+    assert post(server, body).status_code == 200
     scored = post(
         server, {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 1}
     ).json()
@@ -224,6 +228,7 @@ def test_chat_takes_the_completion_parameters(server, client):
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"n": 2, "best_of": 1}, "best_of"),
         ({"echo": True}, "echo"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_field(server, change, param):
