@@ -49,7 +49,10 @@ class EngineCoreInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     shutdown: bool = False
 
 
-class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+# gc=False on the records built per row per step (they never take part in a reference cycle):
+# untracked, they do not count toward the collector's thresholds, and the collections they
+# set off cost 0.14 ms of a 1.8 ms step at batch 256 (benchmarks/host_overhead.py).
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one sample of a request gained in a step.
 
     new_logprobs holds, per new token, {token_id: logprob} for the sampled token and the top-N
@@ -85,7 +88,7 @@ class BeamResult(msgspec.Struct, array_like=True):
     finish_reason: str
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # see above
     """A request's progress in one step. `finished` comes once, and with it the final
     hypotheses of a beam search, or `error` when processing the request raised. A request
     that asked for prompt logprobs gets them chunk by chunk as its prompt is computed (in

@@ -37,7 +37,8 @@ class PromptLogprobsSpan(msgspec.Struct, frozen=True):
     num_top: int
 
 
-class ScheduledSequence(msgspec.Struct, frozen=True):
+# gc=False: one per scheduled sequence per step, never in a cycle (see SampleDelta).
+class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
     """One sequence's work in a step: tokens [start, start + num_new_tokens) of `token_ids`.
 
     Worker fields: `seq_id`, `token_ids` (the sequence's list, read-only; with async
