@@ -512,15 +512,10 @@ class Scheduler:
                         any_finished = True
                         update.finished.append((group, [delta]))
                     else:
-                        when, cached = (
-                            (group.first_scheduled_time, group.num_cached_tokens)
-                            if first
-                            else (None, None)
-                        )
                         progressed.append(
-                            EngineCoreOutput(
-                                group.request_id, [delta], False, None, None, when, None, cached
-                            )
+                            self._first_output(group, [delta])
+                            if first
+                            else EngineCoreOutput(group.request_id, [delta])
                         )
                     continue
                 entry = gathered.get(id(group))
@@ -540,13 +535,10 @@ class Scheduler:
                 any_finished = True
                 update.finished.append((group, deltas))
             else:
-                when, cached = (
-                    (group.first_scheduled_time, group.num_cached_tokens) if first else (None, None)
-                )
                 progressed.append(
-                    EngineCoreOutput(
-                        group.request_id, deltas, False, None, None, when, None, cached
-                    )
+                    self._first_output(group, deltas)
+                    if first
+                    else EngineCoreOutput(group.request_id, deltas)
                 )
         if beam_groups:
             self._num_running_seqs = None  # a first step turns one sequence into beams
@@ -564,6 +556,17 @@ class Scheduler:
             if any(g.is_finished for g in self.waiting):  # preempted, finished by a late token
                 self.waiting = deque(g for g in self.waiting if not g.is_finished)
         return update
+
+    @staticmethod
+    def _first_output(group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
+        """A request's output with its first tokens: it also says when the request was first
+        scheduled and how many prompt tokens the prefix cache held."""
+        return EngineCoreOutput(
+            group.request_id,
+            samples,
+            first_scheduled_time=group.first_scheduled_time,
+            num_cached_tokens=group.num_cached_tokens,
+        )
 
     def _beam_step(
         self, group: SequenceGroup, result: ModelRunnerOutput, rows: dict[int, int], now: float

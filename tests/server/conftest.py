@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 
 MODEL_NAME = "tiny"
@@ -81,6 +82,12 @@ def live_server(model_dir: str | None, tmp_path, *extra: str) -> Iterator[LiveSe
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the shared server, without retries."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")

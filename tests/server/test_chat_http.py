@@ -7,7 +7,6 @@ import json
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -28,11 +27,6 @@ MESSAGES = [
 ]
 # The messages as the template sees them: text parts joined with newlines.
 RENDERED_MESSAGES = [*MESSAGES[:3], {"role": "user", "content": "Now a\nlis"}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

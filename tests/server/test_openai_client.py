@@ -12,11 +12,6 @@ PROMPT = "The return statement"
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_model_dir):
     return LLM(model=tiny_model_dir, device="cpu", num_blocks=256, block_size=8)
 

@@ -1,19 +1,11 @@
 """Prefix caching seen from the API: usage.prompt_tokens_details.cached_tokens (OpenAI's
 field) and the octavo:prefix_cache_* counters (vLLM's), streamed and not."""
 
-import openai
-import pytest
-
 from tests.server.conftest import MODEL_NAME
 
 BLOCK_SIZE = 8  # the test servers' --block-size
 # 40 token ids: 4 full blocks, plus the last token's to compute.
 PROMPT = [(7 * i) % 500 + 1 for i in range(41)]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(server, client):
