@@ -34,6 +34,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 import msgspec
 
 from octavo.benchmarks import serving_throughput
+from octavo.benchmarks.common import git_commit
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine.config import EngineConfig
 from octavo.engine.core_messages import (
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "api_throughput",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "commit": serving_throughput.git_commit(Path(__file__).resolve().parents[1]),
+        "commit": git_commit(Path(__file__).resolve().parents[1]),
         "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len},
         "runs": runs,
     }

@@ -118,3 +118,14 @@ def machine_info(device: str) -> dict:
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def git_commit(root: Path) -> str | None:
+    """The short commit of the checkout at `root`, or None outside git."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -3,7 +3,8 @@
 # device call. Run from the repository root with the machine's own python (torch, triton,
 # transformers, pytest preinstalled; no fastapi needed):
 #
-#   bash benchmarks/gpu_session.sh kernels OUT_DIR   # GPU-marked tests, kernel_bench
+#   bash benchmarks/gpu_session.sh tests   OUT_DIR   # GPU-marked tests, the engine suite on CUDA
+#   bash benchmarks/gpu_session.sh kernels OUT_DIR   # kernel_bench --sweep
 #   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam, profile, host work
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #
@@ -11,7 +12,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh kernels|engine|offline OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -33,10 +34,16 @@ step() {  # step NAME COMMAND...: runs COMMAND, output to OUT_DIR/NAME.log, time
 }
 
 case $stage in
-kernels)
+tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     step gpu_tests "$python" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider
+    # The CPU engine suite as it is, every engine moved to CUDA (float32 kept): CUDA graphs,
+    # pinned copies and one-step-ahead scheduling against the same HF oracle.
+    step engine_suite_on_cuda "$python" -m pytest -q tests/engine -m "not gpu" \
+        --engine-device cuda -p no:cacheprovider --timeout 120
+    ;;
+kernels)
     step kernel_bench "$python" benchmarks/kernel_bench.py --sweep --result-file "$out/kernel_bench.json"
     ;;
 engine)

@@ -46,7 +46,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.serving_throughput import git_commit
+from octavo.benchmarks.common import git_commit
 from octavo.engine.config import EngineConfig
 from octavo.engine.core_messages import EngineCoreRequest
 from octavo.engine.engine_core import EngineCore

@@ -161,8 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="run Octavo one step ahead (EngineConfig.async_scheduling)",
+        action=argparse.BooleanOptionalAction,
+        help="run Octavo one step ahead or not (EngineConfig.async_scheduling; default: the "
+        "engine's, on for CUDA)",
     )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
@@ -328,7 +329,6 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
             "LLM.generate with all requests at once, per-request max_tokens, ignore_eos=True; "
             f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
             f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}, "
-            f"async_scheduling={args.async_scheduling}."
         ),
     )
     llm = LLM(
@@ -341,6 +341,7 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
         seed=args.seed,
         async_scheduling=args.async_scheduling,
     )
+    result.notes += f"async_scheduling={llm.engine.config.schedules_ahead}."
     run_octavo(llm, warmup_workload(workload))
     walls, outputs = timed(lambda _: run_octavo(llm, workload), args.device, args.repeats)
     preemptions = llm.engine.stats().num_preemptions

@@ -54,7 +54,12 @@ from octavo.benchmarks.common import (  # noqa: E402
     write_checkpoint,
 )
 from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
-from octavo.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from octavo.engine import (  # noqa: E402
+    EngineConfig,
+    LLMEngine,
+    RequestOutputKind,
+    SamplingParams,
+)
 from octavo.engine.config import DTYPES  # noqa: E402
 
 PRESETS = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
@@ -69,7 +74,7 @@ PHASES = (
     ("execute.forward_eager", "model_runner.py", "_forward"),
     ("execute.sample", "sampler.py", "__call__"),
     ("update", "scheduler.py", "update"),
-    ("outputs", "outputs.py", "from_group"),
+    ("outputs", "output_processor.py", "process"),
 )
 
 
@@ -83,7 +88,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true", help="schedule one step ahead")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="schedule one step ahead or not (default: the engine's, on for CUDA)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--result-file", type=Path, default=None)
@@ -103,7 +112,13 @@ def start_decoding(engine: LLMEngine, args: argparse.Namespace, batch: int) -> N
     prompts = torch.randint(0, args.vocab, (batch, args.prompt_len), generator=generator)
     # Enough tokens for the warm-up and the three passes, so no request ends mid-profile.
     max_tokens = args.warmup_steps + 3 * args.steps + 2
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # Outputs only when a request ends, as `LLM.generate` asks for them.
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     for i, prompt in enumerate(prompts.tolist()):
         engine.add_request(f"p{batch}-{i}", prompt, params)
     running = engine.scheduler.running
@@ -285,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seed",
                 "smoke",
             )
-        },  # fmt: skip
+        } | {"async_scheduling": config.schedules_ahead},  # fmt: skip
         "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
         "rows": rows,
     }

@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from octavo.benchmarks.common import git_commit
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.server.cli import DEFAULT_MODEL
@@ -180,16 +180,6 @@ def run_served(
         )
     result["command"] = " ".join(cmd[1:])
     return result
-
-
-def git_commit(root: Path) -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,7 +260,7 @@ class EngineCore:
         `async_scheduling` the one launched before (scheduled one step ahead, its tokens fed
         to this step on the device). Returns the outputs of requests that progressed."""
         outputs: list[EngineCoreOutput] = []
-        lag = self.config.async_scheduling and not self._sync_only
+        lag = self.config.schedules_ahead and not self._sync_only
         if self._in_flight is not None and not lag:  # a beam search or penalties came in
             outputs += self._apply_step(*self._in_flight)
             self._in_flight = None

@@ -1,7 +1,9 @@
 """Turns the core's delta outputs into RequestOutputs: detokenization, stop strings, holdback.
 
 The front end's half of every request (vLLM's OutputProcessor). The core sends token ids only;
-here they become text, one incremental detokenizer per sample. Stop strings are matched here:
+here they become text, one incremental detokenizer per sample (a request that wants only its
+final output and has no stop strings is detokenized once, when it ends: no text of it is
+read before then). Stop strings are matched here:
 a match finishes the sample at once (a token the core computed past it is discarded) and asks
 the core to stop it (`SampleAbort`). While a sample runs, the last `max(len(stop)) - 1`
 characters of its text are held back, since a later token may complete a stop string that
@@ -64,6 +66,10 @@ class _RequestState:
     params: SamplingParams | BeamSearchParams
     arrival_time: float
     holdback: int
+    output_kind: RequestOutputKind
+    # FINAL_ONLY without stop strings: nothing reads the text before the end, so the
+    # detokenizer catches up once then instead of stepping every token.
+    text_at_end: bool
     samples: dict[int, _SampleState] = field(default_factory=dict)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -72,12 +78,6 @@ class _RequestState:
     prompt_token_ranks: list[int | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
     num_cached_tokens: int | None = None
-
-    @property
-    def output_kind(self) -> RequestOutputKind:
-        if isinstance(self.params, BeamSearchParams) or self.params.ranks_samples:
-            return RequestOutputKind.FINAL_ONLY  # ranked whole: only the end counts
-        return self.params.output_kind
 
     @property
     def all_samples_finished(self) -> bool:
@@ -114,7 +114,14 @@ class OutputProcessor:
     ) -> None:
         stops = params.stop_strings if isinstance(params, SamplingParams) else []
         holdback = max((len(s) for s in stops), default=1) - 1
-        state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time, holdback)
+        if isinstance(params, BeamSearchParams) or params.ranks_samples:
+            kind = RequestOutputKind.FINAL_ONLY  # ranked whole: only the end counts
+        else:
+            kind = params.output_kind
+        text_at_end = kind is RequestOutputKind.FINAL_ONLY and not stops
+        state = _RequestState(
+            request_id, prompt, prompt_token_ids, params, arrival_time, holdback, kind, text_at_end
+        )
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             state.prompt_logprobs, state.prompt_token_ranks = [None], [None]
         self._requests[request_id] = state
@@ -166,17 +173,23 @@ class OutputProcessor:
             state.prompt_logprobs += chunk.logprobs
             state.prompt_token_ranks += chunk.ranks
         progressed: list[_SampleState] = []
+        any_sample_finished = False
         for delta in output.samples:
             sample = self._sample(state, delta.index)
             if sample.finish_reason is not None:
                 continue  # finished here (a stop string) before the core heard of it
             if delta.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
-            self._apply(state, sample, delta)
-            if sample.finish_reason is not None and delta.finish_reason is None:
-                sample_aborts.append(SampleAbort(state.request_id, sample.index))
+            if state.text_at_end:
+                self._append(state, sample, delta)
+            else:
+                self._apply(state, sample, delta)
+            if sample.finish_reason is not None:
+                any_sample_finished = True
+                if delta.finish_reason is None:
+                    sample_aborts.append(SampleAbort(state.request_id, sample.index))
             progressed.append(sample)
-        finished = output.finished or state.all_samples_finished
+        finished = output.finished or (any_sample_finished and state.all_samples_finished)
         if finished:
             del self._requests[state.request_id]
             if output.beams is not None:
@@ -226,6 +239,20 @@ class OutputProcessor:
             state.samples[index] = sample
         return sample
 
+    @staticmethod
+    def _append(state: _RequestState, sample: _SampleState, delta: SampleDelta) -> None:
+        """`_apply` for text_at_end: appends a delta's tokens undecoded; the core's finish
+        applies, and the whole text is decoded then, as `_apply` would have built it."""
+        sample.cumulative_logprob = delta.cumulative_logprob
+        sample.token_ids += delta.new_token_ids
+        if sample.want_logprobs and delta.new_logprobs is not None:
+            sample.logprobs += delta.new_logprobs
+        if delta.finish_reason is not None:
+            assert isinstance(state.params, SamplingParams)  # beams never reach samples
+            sample.finish_reason = delta.finish_reason
+            sample.stop_reason = delta.stop_reason
+            sample.detokenizer.flush(_without_stop_token(sample, state.params))
+
     def _apply(self, state: _RequestState, sample: _SampleState, delta: SampleDelta) -> None:
         """Appends a delta's tokens, matching stop strings token by token; the core's own
         finish (a token rule) applies unless a stop string ended the sample first."""
@@ -273,6 +300,8 @@ class OutputProcessor:
             sample = self._sample(state, index)
             if sample.finish_reason is None:
                 sample.finish_reason = reason
+                if state.text_at_end:
+                    sample.detokenizer.step(sample.token_ids)
                 ended.append(sample)
         return ended
 

@@ -48,8 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None =
         if "choices" in config_field.metadata:
             options["choices"] = list(config_field.metadata["choices"])
         kind = _flag_type(hints[config_field.name])
-        if kind is bool:  # --name, and --no-name for a setting on by default
-            action = argparse.BooleanOptionalAction if config_field.default else "store_true"
+        if kind is bool:  # --name, and --no-name for a setting on (or decided) by default
+            on_by_default = config_field.default is not False
+            action = argparse.BooleanOptionalAction if on_by_default else "store_true"
             group.add_argument(flag, action=action, default=config_field.default, **options)
         elif config_field.name == "model":
             group.add_argument(

@@ -18,6 +18,39 @@ from tests.checkpoints import TinySpec, make_checkpoint  # noqa: E402
 SLOW_PATHS = ("server/", "benchmarks/", "packaging/", "kernels/test_aot_compile.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--engine-device",
+        default=None,
+        help="build every engine that a test puts on the CPU (device 'cpu' or 'auto') on this "
+        "device instead, keeping float32 unless the test names a dtype: the CPU engine suite "
+        "run as-is on a GPU (`--engine-device cuda`), CUDA graphs, async copies and all",
+    )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _engine_device(pytestconfig):
+    device = pytestconfig.getoption("--engine-device")
+    if device is None:
+        yield
+        return
+    from octavo.engine.config import EngineConfig
+
+    device_of, dtype_of = EngineConfig.torch_device.fget, EngineConfig.torch_dtype.fget
+
+    def torch_device(config):
+        return torch.device(device) if config.device in ("cpu", "auto") else device_of(config)
+
+    def torch_dtype(config):
+        moved = config.device in ("cpu", "auto") and config.dtype == "auto"
+        return torch.float32 if moved else dtype_of(config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineConfig, "torch_device", property(torch_device))
+        patch.setattr(EngineConfig, "torch_dtype", property(torch_dtype))
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).parent
     for item in items:

@@ -137,3 +137,42 @@ def test_merged_deltas_concatenate_to_the_final_output(tokenizer):
         merged.add(later)
     whole, _, _ = run(tokenizer, TEXT, FINAL, stop=["«"], logprobs=0)
     assert merged.outputs == whole[0].outputs and merged.finished
+
+
+def cut_short(tokenizer, kind, num_tokens: int) -> RequestOutput:
+    """The output of a request the core ends (an abort) after `num_tokens` tokens of TEXT,
+    its deltas merged."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(output_kind=kind), 0.0)
+    outputs = []
+    for token in tokenizer.encode(TEXT)[:num_tokens]:
+        step = processor.process([EngineCoreOutput("r", [SampleDelta(0, [token], None)])])
+        outputs += step.request_outputs
+    outputs += processor.process([EngineCoreOutput("r", finished=True)]).request_outputs
+    merged = outputs[0]
+    for later in outputs[1:]:
+        merged.add(later)
+    return merged
+
+
+@pytest.mark.parametrize("num_tokens", [3, 9, 17, 24])
+def test_a_final_only_request_decodes_once_at_its_end_to_the_streamed_text(tokenizer, num_tokens):
+    """FINAL_ONLY without stop strings skips the per-token detokenizer step; its text, ended
+    by the core at any token (inside a multi-byte character too) or by a stop token, is the
+    text the streamed request built."""
+    ids = tokenizer.encode(TEXT)
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(output_kind=FINAL), 0.0)
+    processor.process([EngineCoreOutput("r", [SampleDelta(0, ids[:num_tokens], None)])])
+    assert processor._requests["r"].samples[0].detokenizer.text == ""  # nothing decoded yet
+    whole, streamed = (
+        cut_short(tokenizer, FINAL, num_tokens),
+        cut_short(tokenizer, DELTA, num_tokens),
+    )
+    assert whole.outputs == streamed.outputs and whole.outputs[0].finish_reason == "abort"
+    for include in (False, True):
+        stop = {"stop_token_ids": [ids[num_tokens]], "include_stop_str_in_output": include}
+        (whole,) = run(tokenizer, TEXT, FINAL, **stop)[0]
+        streamed = run(tokenizer, TEXT, DELTA, **stop)[0]
+        assert whole.outputs[0].text == streamed_text(streamed)
+        assert whole.outputs[0].token_ids == ids[: ids.index(ids[num_tokens]) + 1]
