@@ -60,6 +60,15 @@ class DecodeInputBuffers:
             (largest, max_blocks), NULL_BLOCK, dtype=torch.int32, device=device
         )
         self.cu_seqlens_q = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        # Host mirrors the inputs are written to, pinned on CUDA: a copy from pageable
+        # memory returns only once the device has run everything queued before it, which
+        # would make the host wait for the step in flight (no one-step-ahead overlap).
+        pin = device.type == "cuda"
+        self._host_tokens = torch.empty((3, largest), dtype=torch.long, pin_memory=pin)
+        self._host_seq_lens = torch.empty((largest,), dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.empty((largest, max_blocks), dtype=torch.int32, pin_memory=pin)
+        # Recorded after each load's copies: the mirrors are rewritten only once read.
+        self._copied = torch.cuda.Event() if pin else None
 
     @property
     def max_batch_size(self) -> int:
@@ -81,20 +90,26 @@ class DecodeInputBuffers:
         returns its bucket size."""
         n = len(input_ids)
         size = self.bucket(n)
-        tokens = np.zeros((3, size), dtype=np.int64)
+        width = block_tables.shape[1]
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self._host_tokens.numpy()
         tokens[0, :n] = input_ids
         tokens[1, :n] = positions
         tokens[2, :n] = slots
-        tokens[2, n:] = PAD_SLOT
-        lens = np.full(size, PAD_SEQ_LEN, dtype=np.int32)
+        tokens[:2, n:size] = 0
+        tokens[2, n:size] = PAD_SLOT
+        lens = self._host_seq_lens.numpy()
         lens[:n] = seq_lens
-        tables = np.full((size, block_tables.shape[1]), NULL_BLOCK, dtype=np.int32)
-        tables[:n] = block_tables
-        self.tokens[:, :size].copy_(torch.from_numpy(tokens), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
-        self.block_tables[:size, : tables.shape[1]].copy_(
-            torch.from_numpy(tables), non_blocking=True
-        )
+        lens[n:size] = PAD_SEQ_LEN
+        tables = self._host_tables.numpy()
+        tables[:n, :width] = block_tables
+        tables[n:size, :width] = NULL_BLOCK
+        self.tokens[:, :size].copy_(self._host_tokens[:, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(self._host_seq_lens[:size], non_blocking=True)
+        self.block_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return size
 
     def load_batch(self, batch: HostBatch, pending: PendingInputs | None) -> int:

@@ -93,7 +93,7 @@ class Sampler:
         sampled = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = on_device(random_rows, logits.device)
             sampled[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
         if logprobs is None:
             return SampledTokens(sampled)
@@ -118,7 +118,7 @@ class Sampler:
         then penalties."""
         params = request.params
         if params.allowed_token_ids is not None:
-            kept = torch.tensor(params.allowed_token_ids, device=row.device)
+            kept = on_device(params.allowed_token_ids, row.device)
             only = torch.full_like(row, float("-inf"))
             only[kept] = 0.0
             row = row + only
@@ -126,10 +126,8 @@ class Sampler:
         if banned:
             row[banned] = float("-inf")
         if params.logit_bias:
-            tokens = torch.tensor(list(params.logit_bias), device=row.device)
-            bias = torch.tensor(
-                list(params.logit_bias.values()), dtype=row.dtype, device=row.device
-            )
+            tokens = on_device(list(params.logit_bias), row.device)
+            bias = on_device(list(params.logit_bias.values()), row.device, row.dtype)
             row = row.index_add(0, tokens, bias)
         if params.has_penalties:
             row = apply_penalties(row, request)
@@ -164,7 +162,7 @@ class Sampler:
         return stop_ids
 
     def _sample_random(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
-        temperatures = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        temperatures = on_device([r.params.temperature for r in requests], logits.device)
         logits = logits / temperatures[:, None]
         params = [r.params for r in requests]
         if any(p.min_p > 0.0 for p in params):
@@ -176,11 +174,20 @@ class Sampler:
         unseeded = [i for i, r in enumerate(requests) if r.seq.generator is None]
         if unseeded:
             draws = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-            noise[unseeded] = draws.exponential_(generator=self.generator)
+            noise[on_device(unseeded, probs.device)] = draws.exponential_(generator=self.generator)
         for i, request in enumerate(requests):
             if request.seq.generator is not None:
                 noise[i].exponential_(generator=request.seq.generator)
         return argmax_rows(probs / noise)
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` as a tensor on `device`. On CUDA through pinned memory: a copy from pageable
+    memory returns only once the device has run all the work queued before it, so the host
+    would wait for the step in flight (torch's pinned-memory cache frees the buffer only
+    after its copy has run)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
@@ -202,11 +209,11 @@ def apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Ten
     params = request.params
     vocab = logits.shape[0]
     seq = request.seq
-    output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+    output = on_device(seq.output_token_ids, logits.device, torch.long)
     counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+        seen[on_device(seq.prompt_token_ids, logits.device, torch.long)] = True
         penalty = params.repetition_penalty
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, scaled, logits)
@@ -218,7 +225,7 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     threshold = (
         probs.max(dim=-1, keepdim=True).values
-        * torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+        * on_device(min_p, probs.device, probs.dtype)[:, None]
     )
     return logits.masked_fill(probs < threshold, float("-inf"))
 
@@ -228,12 +235,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     likely tokens whose probability mass reaches top_p (the top token is always kept)."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
+    k = on_device([t if 0 < t < vocab else vocab for t in top_k], logits.device)
     ranks = torch.arange(vocab, device=logits.device)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # Rows with top_p == 1 must keep everything: rounding can push mass_before to 1.0.
-    p = torch.tensor([v if v < 1.0 else float("inf") for v in top_p], device=logits.device)
+    p = on_device([v if v < 1.0 else float("inf") for v in top_p], logits.device)
     sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
