@@ -66,6 +66,8 @@ PRESETS = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 3, 1
 COPY_BYTES = 1 << 30
 STEP_ANNOTATION = "octavo_step"
+SETTINGS = ("preset", "dtype", "batches", "prompt_len", "steps", "warmup_steps", "enforce_eager",
+            "seed", "smoke")  # fmt: skip
 # The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
 PHASES = (
     ("schedule", "scheduler.py", "schedule"),
@@ -288,19 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(args.device),
         "settings": {
-            key: getattr(args, key)
-            for key in (
-                "preset",
-                "dtype",
-                "batches",
-                "prompt_len",
-                "steps",
-                "warmup_steps",
-                "enforce_eager",
-                "seed",
-                "smoke",
-            )
-        } | {"async_scheduling": config.schedules_ahead},  # fmt: skip
+            **{key: getattr(args, key) for key in SETTINGS},
+            "async_scheduling": config.schedules_ahead,
+        },
         "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
         "rows": rows,
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import uvicorn
+from fastapi import FastAPI
 
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.config import EngineConfig
@@ -94,13 +95,44 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.ray:
+        from octavo.server.ray_serve.launch import serve_on_ray
+
+        return serve_on_ray(args)
+    engine, app = build_server(args)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # After the engine's grace and abort drain, connections still open (a stream nobody
+        # reads) are closed: SIGTERM always ends the process.
+        timeout_graceful_shutdown=args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1,
+        http=h11_with_header_timeout(args.header_timeout_seconds),
+        limit_concurrency=args.limit_concurrency,
+    )
+    server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds)
+    # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
+    # so that second delivery must end the process with status 0, not kill it.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    freeze_startup_heap()
+    server.run()
+    if server.engine_failed:
+        logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
+        return 1
+    return 0
+
+
+def build_server(args: argparse.Namespace) -> tuple[AsyncEngine, FastAPI]:
+    """The engine (not started) and the app of `octavo serve`'s flags: what one server
+    process runs, alone or as a Ray Serve replica."""
     from octavo.server.app import create_app
     from octavo.server.chat_template import load_chat_template
     from octavo.server.serving_engine import ServerConfig
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     engine_config = engine_config_from_args(args)
     # Before the engine starts: a bad template ends the command with its message.
     chat_template = load_chat_template(args.chat_template, args.model, args.load_format)
@@ -127,28 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
         chat_template=chat_template,
     )
-    app = create_app(engine, config)
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        # After the engine's grace and abort drain, connections still open (a stream nobody
-        # reads) are closed: SIGTERM always ends the process.
-        timeout_graceful_shutdown=args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1,
-        http=h11_with_header_timeout(args.header_timeout_seconds),
-        limit_concurrency=args.limit_concurrency,
-    )
-    server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds)
-    # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
-    # so that second delivery must end the process with status 0, not kill it.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    freeze_startup_heap()
-    server.run()
-    if server.engine_failed:
-        logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
-        return 1
-    return 0
+    return engine, create_app(engine, config)
 
 
 def default_model_threads(config: EngineConfig) -> int:
@@ -210,6 +221,58 @@ class GracefulServer(uvicorn.Server):
                 lambda: loop.create_task(self.engine.shutdown(self.grace_seconds))
             )
         super().handle_exit(sig, frame)
+
+
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    """`octavo serve --ray`: the same server as Ray Serve replicas behind one endpoint."""
+    group = parser.add_argument_group("ray serve")
+    group.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve through Ray Serve: --num-replicas engine replicas behind one OpenAI "
+        "endpoint on --host/--port (needs the `ray` extra)",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (default: $RAY_ADDRESS, else a running local instance, "
+        "else a new local one)",
+    )
+    group.add_argument("--num-replicas", type=int, default=1, help="engine replicas")
+    group.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscale between --num-replicas and this many replicas on ongoing requests",
+    )
+    group.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling: ongoing requests per replica to aim for (default: max_num_seqs / 2)",
+    )
+    group.add_argument(
+        "--routing",
+        choices=["least-loaded", "prefix"],
+        default="least-loaded",
+        help="least-loaded: the less busy of two random replicas (power of two choices); "
+        "prefix: the replica a prompt's prefix hashes to, unless it is busier than the "
+        "least busy by more than --routing-imbalance",
+    )
+    group.add_argument(
+        "--routing-imbalance",
+        type=int,
+        default=8,
+        help="prefix routing: ongoing requests by which the prefix's replica may exceed the "
+        "least busy one before load wins",
+    )
+    group.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves per replica (default: the engine's torch threads on CPU, 1 "
+        "on CUDA)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
+    add_ray_args(serve)
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks")

@@ -1,0 +1,1 @@
+"""Octavo on Ray Serve: engine replicas behind one OpenAI endpoint (`octavo serve --ray`)."""

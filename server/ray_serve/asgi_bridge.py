@@ -1,0 +1,93 @@
+"""Runs one forwarded request through an ASGI app in this process and streams the response
+back: the head first, then the body chunks as the app sends them.
+
+The app sees an ordinary HTTP request whose body has arrived; the next `receive` after the
+body waits until the caller stops reading (the stream is cancelled or closed), then says
+`http.disconnect`, so the app's own disconnect handling aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.types import ASGIApp, Message
+
+from octavo.server.ray_serve.messages import ForwardedRequest, ResponseStart
+
+
+def http_scope(request: ForwardedRequest) -> dict[str, Any]:
+    path = request.path
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": request.query_string,
+        "headers": request.headers,
+        "client": request.client,
+        "server": None,
+    }
+
+
+async def call_asgi(
+    app: ASGIApp, request: ForwardedRequest, extra_headers: list[tuple[bytes, bytes]]
+) -> AsyncIterator[ResponseStart | bytes]:
+    """Yields the app's ResponseStart (with `extra_headers` added), then every non-empty body
+    chunk. Closing or cancelling the iterator disconnects the app's request."""
+    sent: asyncio.Queue[Message] = asyncio.Queue()
+    gone = asyncio.Event()
+    body_taken = False
+
+    async def receive() -> Message:
+        nonlocal body_taken
+        if not body_taken:
+            body_taken = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    app_task = asyncio.ensure_future(app(http_scope(request), receive, sent.put))
+    try:
+        while True:
+            message = await _next_message(sent, app_task)
+            if message is None:  # the app returned without finishing its response
+                return
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), *extra_headers]
+                yield ResponseStart(message["status"], headers)
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+    finally:
+        gone.set()
+        if not app_task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(app_task)
+
+
+async def _next_message(sent: asyncio.Queue[Message], app_task: asyncio.Future) -> Message | None:
+    """The app's next message; None once the app has ended with none left (its exception,
+    if any, is raised)."""
+    if not sent.empty():
+        return sent.get_nowait()
+    getter = asyncio.ensure_future(sent.get())
+    try:
+        await asyncio.wait({getter, app_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    if not sent.empty():
+        return sent.get_nowait()
+    app_task.result()
+    return None

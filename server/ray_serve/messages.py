@@ -1,0 +1,31 @@
+"""What the ingress and the engine replicas send each other through Ray: plain, picklable
+dataclasses (the request as received, the response's head, its body in chunks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The response header naming the replica that served a request (its Ray Serve replica id).
+REPLICA_HEADER = "x-octavo-replica"
+
+
+@dataclass(frozen=True)
+class ForwardedRequest:
+    """An HTTP request as the ingress received it, whole. `routing_key` is the prompt's
+    prefix that prefix routing places by (None: route by load alone)."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None
+    routing_key: str | None = None
+
+
+@dataclass(frozen=True)
+class ResponseStart:
+    """The head of a replica's response: the first item of every response stream."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
