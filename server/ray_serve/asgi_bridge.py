@@ -1,9 +1,10 @@
 """Runs one forwarded request through an ASGI app in this process and streams the response
 back: the head first, then the body chunks as the app sends them.
 
-The app sees an ordinary HTTP request whose body has arrived; the next `receive` after the
-body waits until the caller stops reading (the stream is cancelled or closed), then says
-`http.disconnect`, so the app's own disconnect handling aborts the request in the engine.
+The app sees an ordinary HTTP request whose body has arrived. When the caller stops reading
+(the stream is cancelled or closed), the next `receive` says `http.disconnect`, a `send`
+fails, and the app's task is cancelled, so the request is aborted in the engine wherever it
+waits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def http_scope(request: ForwardedRequest) -> dict[str, Any]:
     path = request.path
     return {
         "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        # HTTP spec 2.3: a streaming response listens for http.disconnect on receive (from
+        # 2.4 on it would learn of a disconnect only from a send that fails).
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
         "method": request.method,
         "scheme": "http",
@@ -53,7 +56,12 @@ async def call_asgi(
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    app_task = asyncio.ensure_future(app(http_scope(request), receive, sent.put))
+    async def send(message: Message) -> None:
+        if gone.is_set():
+            raise OSError("the caller stopped reading the response")
+        await sent.put(message)
+
+    app_task = asyncio.ensure_future(app(http_scope(request), receive, send))
     try:
         while True:
             message = await _next_message(sent, app_task)
@@ -68,10 +76,13 @@ async def call_asgi(
                 if not message.get("more_body", False):
                     return
     finally:
+        # The caller stopped reading: the response is moot. The app is told (a disconnect)
+        # and its task cancelled, which closes its engine streams wherever they wait.
         gone.set()
         if not app_task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(app_task)
+            app_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await app_task
 
 
 async def _next_message(sent: asyncio.Queue[Message], app_task: asyncio.Future) -> Message | None:

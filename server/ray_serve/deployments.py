@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from octavo.engine.core_messages import EngineStats
 from octavo.server.errors import APIError
 from octavo.server.ray_serve.asgi_bridge import call_asgi
 from octavo.server.ray_serve.messages import REPLICA_HEADER, ForwardedRequest, ResponseStart
@@ -42,13 +43,17 @@ class EngineReplica:
         self._engine, self._app = build_server(args)
         self._engine.start()
         self._grace_seconds = args.shutdown_grace_seconds
-        replica_id = serve.get_replica_context().replica_id.unique_id
-        self._headers = [(REPLICA_HEADER.encode(), replica_id.encode())]
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._headers = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks."""
         async for item in call_asgi(self._app, request, self._headers):
             yield item
+
+    def stats(self) -> tuple[str, EngineStats]:
+        """This replica's id and its engine's stats after the latest step."""
+        return self.replica_id, self._engine.stats()
 
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose engine died (or stopped) is replaced."""
