@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -58,9 +59,11 @@ def running_server(cmd: list[str], port: int, **popen: object) -> Iterator[subpr
             server.kill()
 
 
-async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int]:
+async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, int]:
     """One streamed completion: (completion tokens from the usage event, whether the stream
-    ended with [DONE] and no error, the number of events)."""
+    ended with [DONE] and no error, the number of events, seconds to the first event, prompt
+    tokens found in the prefix cache)."""
+    sent = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -69,15 +72,23 @@ async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int]:
     )
     writer.write(head.encode() + body)
     await writer.drain()
-    data = await reader.read()  # until the server closes: the whole chunked SSE body
+    data = b""
+    while b"data: " not in data:  # the head, then the first event
+        chunk = await reader.read(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    ttft = time.perf_counter() - sent
+    data += await reader.read()  # until the server closes: the whole chunked SSE body
     writer.close()
     done = b"data: [DONE]" in data and b'data: {"error"' not in data
     events = data.count(b"data: ")
     usage_at = data.rfind(b'"usage":{')
     if usage_at < 0:
-        return 0, False, events
+        return 0, False, events, ttft, 0
     usage = json.JSONDecoder().raw_decode(data[usage_at + 8 :].decode())[0]
-    return usage["completion_tokens"], done, events
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return usage["completion_tokens"], done, events, ttft, cached
 
 
 def _client_process(
@@ -117,14 +128,16 @@ def run_clients(
         proc.join()
     wall = max(g[3] for g in gathered) - min(g[2] for g in gathered)
     outcomes = [o for g in gathered for o in g[0]]
-    tokens = sum(t for t, _, _ in outcomes)
+    tokens = sum(o[0] for o in outcomes)
     client_cpu = sum(g[1] for g in gathered)
     return {
         "wall_s": wall,
         "completion_tokens": tokens,
-        "events": sum(e for _, _, e in outcomes),
-        "failed": sum(not ok for _, ok, _ in outcomes),
+        "events": sum(o[2] for o in outcomes),
+        "failed": sum(not o[1] for o in outcomes),
         "tokens_per_s": tokens / wall,
+        "ttft_median_s": statistics.median(o[3] for o in outcomes),
+        "cached_prompt_tokens": sum(o[4] for o in outcomes),
         "client_cpu_s": client_cpu,
         "client_cpu_share_of_a_core": client_cpu / wall,
     }

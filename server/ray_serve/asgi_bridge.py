@@ -71,9 +71,16 @@ async def call_asgi(
                 headers = [*message.get("headers", []), *extra_headers]
                 yield ResponseStart(message["status"], headers)
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield message["body"]
-                if not message.get("more_body", False):
+                # Chunks the app sent while the last one was in transit go as one: each item
+                # is a message between processes, so a fast stream is coalesced, not queued.
+                body, more = message.get("body", b""), message.get("more_body", False)
+                while more and not sent.empty():
+                    message = sent.get_nowait()
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                if body:
+                    yield body
+                if not more:
                     return
     finally:
         # The caller stopped reading: the response is moot. The app is told (a disconnect)

@@ -24,7 +24,8 @@ from octavo.server.ray_serve.routing import PrefixAffinityRouter
 logger = logging.getLogger(__name__)
 
 APP_NAME = "octavo"
-INGRESS_CPUS = 0.5  # forwarding only: bytes in, bytes out
+# The ingress only forwards bytes: it reserves no CPU, so N one-CPU replicas fit N cores.
+INGRESS_CPUS = 0
 
 
 def build_app(args: argparse.Namespace) -> Application:
@@ -60,10 +61,18 @@ def build_app(args: argparse.Namespace) -> Application:
             "request_router_class": f"{PrefixAffinityRouter.__module__}.PrefixAffinityRouter",
             "request_router_kwargs": {"imbalance": args.routing_imbalance},
         }
+    # --log-level applies to Ray Serve's replica logs too; per-request access logs only at
+    # info and debug, as uvicorn writes them for `octavo serve`.
+    logging_config = {
+        "log_level": args.log_level.upper(),
+        "enable_access_log": args.log_level in ("debug", "info"),
+    }
+    options["logging_config"] = logging_config
     replicas = serve.deployment()(EngineReplica).options(**options).bind(args)
     ingress = serve.deployment()(Ingress).options(
         max_ongoing_requests=args.limit_concurrency,
         ray_actor_options={"num_cpus": INGRESS_CPUS},
+        logging_config=logging_config,
     )
     return ingress.bind(replicas, args.max_body_bytes)
 
@@ -96,7 +105,10 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=args.ray_address, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(
+        http_options={"host": args.host, "port": args.port},
+        logging_config={"log_level": args.log_level.upper()},
+    )
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     logger.info("serving %s on http://%s:%d through Ray Serve", args.model, args.host, args.port)
     stop = threading.Event()

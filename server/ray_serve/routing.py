@@ -7,8 +7,8 @@ prefixes spread evenly, and when a replica comes or goes only the prefixes it wi
 move. Load still wins when it must: if the prefix's replica has more ongoing requests than
 the least busy candidate by more than `imbalance`, the request goes to the less busy of two
 random replicas, as Ray's default power-of-two-choices router would send it. The key is a
-prompt's first `ROUTING_KEY_CHARS` characters (or token ids), so prompts that agree that far
-land together; ones that share less than that do not.
+prompt's first ROUTING_KEY_CHARS characters (or ROUTING_KEY_TOKENS token ids), so prompts
+that agree that far land together; ones that share less than that do not.
 """
 
 from __future__ import annotations
@@ -27,18 +27,20 @@ from ray.serve.request_router import (
 
 from octavo.server.ray_serve.messages import ForwardedRequest
 
-# About four 16-token KV blocks of English text: long enough to tell templates apart, short
-# enough that a shared system prompt or few-shot header decides it alone.
+# The key's length: about four 16-token KV blocks, of text or of token ids. Long enough to
+# tell prompt templates apart, short enough that a shared system prompt or few-shot header
+# decides it alone. Prompts that share less than this do not land together.
 ROUTING_KEY_CHARS = 256
+ROUTING_KEY_TOKENS = 64
 PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_IMBALANCE = 8
 
 
-def routing_key(path: str, body: bytes, num_chars: int = ROUTING_KEY_CHARS) -> str | None:
-    """The prefix a request is placed by: the start of its prompt (completions: the first
-    prompt, text or token ids; chat: the messages' roles and text in order). None for any
-    other route, or a body that is not a JSON object with a prompt: the replica that gets
-    it answers the 4xx."""
+def routing_key(path: str, body: bytes) -> str | None:
+    """The prefix a request is placed by: the first ROUTING_KEY_CHARS characters of its
+    prompt, or ROUTING_KEY_TOKENS token ids (completions: the first prompt; chat: the
+    messages' roles and text in order). None for any other route, or a body that is not a
+    JSON object with a prompt: the replica that gets it answers the 4xx."""
     if path not in PROMPT_ROUTES:
         return None
     try:
@@ -48,20 +50,19 @@ def routing_key(path: str, body: bytes, num_chars: int = ROUTING_KEY_CHARS) -> s
     if not isinstance(payload, dict):
         return None
     if "messages" in payload:
-        text = _messages_text(payload["messages"])
+        key = _messages_text(payload["messages"])[:ROUTING_KEY_CHARS]
     else:
-        text = _prompt_text(payload.get("prompt"))
-    return text[:num_chars] if text else None
+        key = _prompt_key(payload.get("prompt"))
+    return key or None
 
 
-def _prompt_text(prompt: Any) -> str:
+def _prompt_key(prompt: Any) -> str:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: its first prompt places it
     if isinstance(prompt, str):
-        return prompt
+        return prompt[:ROUTING_KEY_CHARS]
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        # Token ids: one character per id keeps the key's length in tokens comparable.
-        return "".join(chr(0xE000 + (t % 0x1900)) for t in prompt)
+        return ",".join(map(str, prompt[:ROUTING_KEY_TOKENS])) + ","
     return ""
 
 

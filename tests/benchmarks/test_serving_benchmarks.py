@@ -38,3 +38,13 @@ def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):
     (only,) = result["runs"]
     assert only["failed"] == 0 and only["completion_tokens"] == 60
     assert only["api_cpu_us_per_token"] > 0 and only["tokens_per_event"] >= 1
+
+
+def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path):
+    result = run("ray_serve.py", tmp_path / "r.json", "--smoke")
+    (alone,) = result["throughput"].values()
+    assert alone["failed"] == 0 and all(r["completion_tokens"] == 16 for r in alone["runs"])
+    prefix = result["routing"]["prefix"]
+    # Two groups of two sharing a 64-token prefix (four 16-token blocks): routed by it, each
+    # group's second request finds all of it cached.
+    assert prefix["failed"] == 0 and prefix["cached_prompt_tokens"] == 2 * 64

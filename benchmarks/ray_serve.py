@@ -1,0 +1,167 @@
+"""Octavo through Ray Serve: throughput and TTFT with 1 and 2 replicas against `octavo serve`
+alone on the same requests, and the prefix-cache hit rate of least-loaded vs prefix routing.
+
+Every system is a server process on a free port (`octavo serve`, or `octavo serve --ray`,
+which starts its own local Ray instance), one torch thread per engine. The load client is
+`sse_client.py` (raw sockets, separate processes, reports its own CPU): all requests at
+once, streamed, usage in the last event.
+
+  throughput: --num-requests prompts of --prompt-len random token ids, --output-len tokens
+              each (EOS ignored), --repeats timed runs after one untimed warm-up.
+  routing:    --prefixes groups of --per-prefix requests sharing a --prefix-len-token prefix
+              (plus 16 own tokens), two replicas; one request per group first (it computes
+              the prefix), then the rest at once. Hit rate = cached prompt tokens / prompt
+              tokens of the second wave, from `usage.prompt_tokens_details.cached_tokens`.
+
+    .venv/bin/python benchmarks/ray_serve.py     # -> results/ray_serve_cpu.json
+    .venv/bin/python benchmarks/ray_serve.py --smoke --result-file /tmp/r.json
+
+--smoke: a few requests, `octavo serve` and one 2-replica prefix-routed Ray run; its
+numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+try:
+    import octavo.engine  # noqa: F401
+except ImportError:  # run as a plain script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from octavo.benchmarks.common import git_commit  # noqa: E402
+from octavo.benchmarks.sse_client import free_port, run_clients, running_server  # noqa: E402
+from octavo.server.cli import DEFAULT_MODEL  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+OWN_TOKENS = 16  # after a shared prefix, per request
+VOCAB = 4096  # the embedded default model's
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefixes", type=int, default=8)
+    p.add_argument("--per-prefix", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="a few requests, two servers")
+    p.add_argument("--result-file", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.num_requests, args.output_len, args.repeats = 4, 4, 1
+        args.prefixes, args.per_prefix, args.prefix_len = 2, 2, 64  # the routing key's length
+    return args
+
+
+def body(prompt: list[int], max_tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "model": "octavo-tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+
+
+def server_cmd(model: str, port: int, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "octavo", "serve", "--model", model, "--port", str(port)]
+    return cmd + ["--device", "cpu", "--torch-threads", "1", "--log-level", "warning", *extra]
+
+
+def measure_throughput(args: argparse.Namespace, extra: list[str]) -> dict:
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(VOCAB) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
+    ]
+    bodies = [body(p, args.output_len) for p in prompts]
+    port = free_port()
+    with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
+        run_clients(port, bodies[: max(1, len(bodies) // 4)])  # warm-up
+        runs = [run_clients(port, bodies) for _ in range(args.repeats)]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "ttft_median_s": statistics.median(r["ttft_median_s"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+        "client_cpu_share_of_a_core": max(r["client_cpu_share_of_a_core"] for r in runs),
+        "runs": runs,
+    }
+
+
+def measure_routing(args: argparse.Namespace, routing: str) -> dict:
+    rng = random.Random(args.seed + 1)
+    prefixes = [
+        [rng.randrange(VOCAB) for _ in range(args.prefix_len)] for _ in range(args.prefixes)
+    ]
+    groups = [
+        [prefix + [rng.randrange(VOCAB) for _ in range(OWN_TOKENS)] for _ in range(args.per_prefix)]
+        for prefix in prefixes
+    ]
+    port = free_port()
+    extra = ["--ray", "--num-replicas", "2", "--routing", routing, "--num-cpus-per-replica", "1"]
+    with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
+        run_clients(port, [body(group[0], 1) for group in groups])  # each prefix computed once
+        rest = [p for group in groups for p in group[1:]]
+        second = run_clients(port, [body(p, 1) for p in rest])
+    prompt_tokens = sum(len(p) for p in rest)
+    return {
+        "hit_rate": second["cached_prompt_tokens"] / prompt_tokens,
+        "cached_prompt_tokens": second["cached_prompt_tokens"],
+        "prompt_tokens": prompt_tokens,
+        "failed": second["failed"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ray_flags = ["--ray", "--num-cpus-per-replica", "1"]
+    systems = {"octavo serve": []}
+    if not args.smoke:
+        systems["ray, 1 replica"] = [*ray_flags, "--num-replicas", "1"]
+        systems["ray, 2 replicas"] = [*ray_flags, "--num-replicas", "2"]
+    throughput = {}
+    for name, extra in systems.items():
+        print(f"[ray_serve] {name} ...", flush=True)
+        throughput[name] = measure_throughput(args, extra)
+        row = throughput[name]
+        print(f"  {row['tokens_per_s']:.1f} tok/s, TTFT median {row['ttft_median_s'] * 1e3:.0f} ms")
+    routings = ["prefix"] if args.smoke else ["least-loaded", "prefix"]
+    routing = {}
+    for name in routings:
+        print(f"[ray_serve] routing {name} ...", flush=True)
+        routing[name] = measure_routing(args, name)
+        print(f"  hit rate {routing[name]['hit_rate']:.2f}")
+    result = {
+        "benchmark": "ray_serve",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "commit": git_commit(Path(__file__).resolve().parents[1]),
+        "settings": {k: v for k, v in vars(args).items() if k != "result_file"},
+        "throughput": throughput,
+        "routing": routing,
+    }
+    path = args.result_file or RESULTS_DIR / "ray_serve_cpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
