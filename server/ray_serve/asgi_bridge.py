@@ -62,6 +62,7 @@ async def call_asgi(
         await sent.put(message)
 
     app_task = asyncio.ensure_future(app(http_scope(request), receive, send))
+    complete = False
     try:
         while True:
             message = await _next_message(sent, app_task)
@@ -81,12 +82,16 @@ async def call_asgi(
                 if body:
                     yield body
                 if not more:
+                    complete = True
                     return
     finally:
-        # The caller stopped reading: the response is moot. The app is told (a disconnect)
-        # and its task cancelled, which closes its engine streams wherever they wait.
         gone.set()
-        if not app_task.done():
+        if complete:
+            await app_task  # its response is out; it only has to return
+        elif not app_task.done():
+            # The caller stopped reading: the response is moot. The app is told (a
+            # disconnect) and its task cancelled, which closes its engine streams wherever
+            # they wait.
             app_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await app_task
