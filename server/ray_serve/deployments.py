@@ -13,6 +13,7 @@ dies. A client that disconnects cancels the forwarded call; the replica's app th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -27,6 +28,7 @@ from octavo.engine.core_messages import EngineStats
 from octavo.server.errors import APIError
 from octavo.server.ray_serve.asgi_bridge import call_asgi
 from octavo.server.ray_serve.messages import REPLICA_HEADER, ForwardedRequest, ResponseStart
+from octavo.server.ray_serve.replica_metrics import PUBLISH_PERIOD_S, ReplicaMetrics
 from octavo.server.ray_serve.routing import routing_key
 from octavo.server.streaming import SSE_DONE, sse_event
 
@@ -45,6 +47,10 @@ class EngineReplica:
         self._grace_seconds = args.shutdown_grace_seconds
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._headers = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
+        self._metrics = ReplicaMetrics()
+        self._publishing = asyncio.ensure_future(
+            self._metrics.publish_every(PUBLISH_PERIOD_S, self._engine.stats)
+        )
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks."""
@@ -61,6 +67,7 @@ class EngineReplica:
             raise RuntimeError("the Octavo engine is not accepting requests")
 
     async def __del__(self) -> None:
+        self._publishing.cancel()
         await self._engine.shutdown(self._grace_seconds)
 
 
