@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from octavo.engine.core_messages import EngineStats
+from octavo.engine.heap import freeze_startup_heap
 from octavo.server.errors import APIError
 from octavo.server.ray_serve.asgi_bridge import call_asgi
 from octavo.server.ray_serve.messages import REPLICA_HEADER, ForwardedRequest, ResponseStart
@@ -51,6 +52,7 @@ class EngineReplica:
         self._publishing = asyncio.ensure_future(
             self._metrics.publish_every(PUBLISH_PERIOD_S, self._engine.stats)
         )
+        freeze_startup_heap()  # as `octavo serve` does: start-up objects leave the GC's scans
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks."""

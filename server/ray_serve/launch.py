@@ -33,6 +33,10 @@ def build_app(args: argparse.Namespace) -> Application:
     `--max-replicas`), each reserving one GPU on CUDA or its CPUs on CPU."""
     from octavo.server.cli import engine_config_from_args
 
+    if args.num_replicas < 1:
+        raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
+    if args.max_replicas is not None and args.max_replicas < args.num_replicas:
+        raise ValueError("--max-replicas must be >= --num-replicas")
     config = engine_config_from_args(args)
     cuda = config.torch_device.type == "cuda"
     cpus = args.num_cpus_per_replica

@@ -120,3 +120,10 @@ def test_the_rayservice_manifest_is_valid_and_gives_each_replica_a_gpu():
 def test_a_bad_flag_in_a_serve_config_is_refused():
     with pytest.raises(SystemExit):
         app_builder({"no_such_flag": 1})
+
+
+def test_replica_counts_are_checked():
+    with pytest.raises(ValueError, match="num-replicas"):
+        app_builder({"num_replicas": 0})
+    with pytest.raises(ValueError, match="max-replicas"):
+        app_builder({"num_replicas": 3, "max_replicas": 2})
