@@ -60,9 +60,9 @@ class DecodeInputBuffers:
             (largest, max_blocks), NULL_BLOCK, dtype=torch.int32, device=device
         )
         self.cu_seqlens_q = torch.arange(largest + 1, dtype=torch.int32, device=device)
-        # Host mirrors the inputs are written to, pinned on CUDA: a copy from pageable
-        # memory returns only once the device has run everything queued before it, which
-        # would make the host wait for the step in flight (no one-step-ahead overlap).
+        # Host mirrors the inputs are written to, pinned on CUDA: the driver may make a copy
+        # from pageable memory wait for the device to run everything queued before it (the
+        # step in flight), which would undo one-step-ahead scheduling.
         pin = device.type == "cuda"
         self._host_tokens = torch.empty((3, largest), dtype=torch.long, pin_memory=pin)
         self._host_seq_lens = torch.empty((largest,), dtype=torch.int32, pin_memory=pin)

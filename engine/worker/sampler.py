@@ -182,10 +182,10 @@ class Sampler:
 
 
 def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`values` as a tensor on `device`. On CUDA through pinned memory: a copy from pageable
-    memory returns only once the device has run all the work queued before it, so the host
-    would wait for the step in flight (torch's pinned-memory cache frees the buffer only
-    after its copy has run)."""
+    """`values` as a tensor on `device`. On CUDA through pinned memory and a non-blocking
+    copy: `torch.tensor(values, device=cuda)` copies and then waits for the stream, that is
+    for the step in flight (torch's pinned-memory cache frees the buffer only after its copy
+    has run)."""
     cuda = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
