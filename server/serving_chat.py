@@ -4,7 +4,7 @@ engine, answered as a chat.completion or a stream of chat.completion.chunk event
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
@@ -36,7 +36,7 @@ from octavo.server.serving_engine import (
     unless_disconnected,
     usage,
 )
-from octavo.server.streaming import SSE_DONE, sse_event
+from octavo.server.streaming import SSE_DONE, EventStreamResponse, sse_event
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
@@ -65,7 +65,7 @@ class ChatServing(EngineServing):
         streams = self.submit(request_id, prompts)
         if request.stream:
             body = self._stream(request_id, request, prompts, streams)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return EventStreamResponse(body)
         result = await unless_disconnected(
             raw_request, self._complete(request_id, request, prompts, streams)
         )
@@ -167,7 +167,7 @@ class ChatServing(EngineServing):
         request: ChatCompletionRequest,
         prompts: list[PromptAndParams],
         streams: list[AsyncIterator[RequestOutput]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """As OpenAI: each choice's first chunk carries the role; then one chunk per delta
         output of a choice (the last with its finish_reason); an optional usage chunk; then
         [DONE]."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 
 from fastapi import Request
@@ -26,7 +26,7 @@ from octavo.server.serving_engine import (
     unless_disconnected,
     usage,
 )
-from octavo.server.streaming import SSE_DONE, Delta, sse_event
+from octavo.server.streaming import SSE_DONE, Delta, EventStreamResponse, sse_event
 
 
 class CompletionServing(EngineServing):
@@ -47,7 +47,7 @@ class CompletionServing(EngineServing):
         streams = self.submit(request_id, prompts)
         if request.stream:
             body = self._stream(request_id, request, prompts, streams)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return EventStreamResponse(body)
         completion = self._complete(request_id, request, prompts, streams)
         result = await unless_disconnected(raw_request, completion)
         if result is None:  # nobody is listening; the requests are aborted
@@ -120,7 +120,7 @@ class CompletionServing(EngineServing):
         request: CompletionRequest,
         prompts: list[PromptAndParams],
         streams: list[AsyncIterator[RequestOutput]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """One event per delta output of each choice (the engine holds back text that could
         still turn out to be a stop string), an optional usage event, then [DONE]."""
         # Per choice, where its next token's text starts in its logprobs text (the token
