@@ -51,22 +51,23 @@ engine)
         --result-file "$out/step_latency.json"
     step beam_bench "$python" benchmarks/beam_bench.py --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/beam_bench.json"
+    # One-step-ahead scheduling is the CUDA default; each measurement also runs without it.
     step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/profile_decode.json"
-    step profile_decode_async "$python" benchmarks/profile_decode.py --device cuda \
-        --dtype float16 --preset gpt2 --async-scheduling \
-        --result-file "$out/profile_decode_async.json"
+    step profile_decode_sync "$python" benchmarks/profile_decode.py --device cuda \
+        --dtype float16 --preset gpt2 --no-async-scheduling \
+        --result-file "$out/profile_decode_sync.json"
     step host_overhead "$python" benchmarks/host_overhead.py --device cuda \
-        --result-file "$out/host_overhead.json"
-    step host_overhead_async "$python" benchmarks/host_overhead.py --device cuda \
-        --engine-args '{"async_scheduling": true}' --result-file "$out/host_overhead_async.json"
+        --engine-args '{"async_scheduling": true}' --result-file "$out/host_overhead.json"
+    step host_overhead_sync "$python" benchmarks/host_overhead.py --device cuda \
+        --engine-args '{"async_scheduling": false}' --result-file "$out/host_overhead_sync.json"
     ;;
 offline)
     step offline_gpt2 "$python" benchmarks/offline_throughput.py --device cuda --dtype float16 \
         --preset gpt2 --num-requests 256 --result-file "$out/offline_gpt2.json"
-    step offline_gpt2_async "$python" benchmarks/offline_throughput.py --device cuda \
-        --dtype float16 --preset gpt2 --num-requests 256 --repeats 1 --skip-hf-static \
-        --skip-hf-cb --async-scheduling --result-file "$out/offline_gpt2_async.json"
+    step offline_gpt2_sync "$python" benchmarks/offline_throughput.py --device cuda \
+        --dtype float16 --preset gpt2 --num-requests 256 --repeats 3 --skip-hf-static \
+        --skip-hf-cb --no-async-scheduling --result-file "$out/offline_gpt2_sync.json"
     step offline_gpt2_medium "$python" benchmarks/offline_throughput.py --device cuda \
         --dtype float16 --preset gpt2-medium --num-requests 256 --repeats 1 \
         --result-file "$out/offline_gpt2_medium.json"
