@@ -44,6 +44,11 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
+def body_too_large(max_bytes: int) -> APIError:
+    """The 413 of a request body over `max_bytes`."""
+    return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body exceeds {max_bytes} bytes")
+
+
 class BodySizeLimit:
     """Answers 413 for request bodies over `max_bytes`, by Content-Length or while reading.
 
@@ -60,9 +65,7 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = APIError(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body exceeds {self.max_bytes} bytes"
-        )
+        too_large = body_too_large(self.max_bytes)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await too_large.response()(scope, receive, send)

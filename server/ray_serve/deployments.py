@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from octavo.engine.core_messages import EngineStats
 from octavo.engine.heap import freeze_startup_heap
 from octavo.server.errors import APIError
+from octavo.server.http_guards import body_too_large
 from octavo.server.ray_serve.asgi_bridge import call_asgi
 from octavo.server.ray_serve.messages import REPLICA_HEADER, ForwardedRequest, ResponseStart
 from octavo.server.ray_serve.replica_metrics import PUBLISH_PERIOD_S, ReplicaMetrics
@@ -113,12 +114,12 @@ class Ingress:
         """The whole body, refused past `max_body_bytes` (as the replica itself would)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
-            raise _too_large(self._max_body_bytes)
+            raise body_too_large(self._max_body_bytes)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > self._max_body_bytes:
-                raise _too_large(self._max_body_bytes)
+                raise body_too_large(self._max_body_bytes)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -152,7 +153,3 @@ def _replica_failed(exc: BaseException) -> APIError:
         f"the replica serving this request failed ({type(exc).__name__}); retry it",
         code="replica_failed",
     )
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body exceeds {limit} bytes")

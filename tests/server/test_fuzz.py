@@ -65,12 +65,15 @@ def check_answer(response: httpx.Response, changes: dict) -> None:
         assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices)
 
 
-@settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+# Both fuzzers: reproducible, and slow examples (a live server) are expected.
+FUZZ_SETTINGS = {
+    "deadline": None,
+    "derandomize": True,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+}
+
+
+@settings(max_examples=150, **FUZZ_SETTINGS)
 @given(changes=st.dictionaries(st.sampled_from(FIELDS), ANYTHING, min_size=1, max_size=4))
 def test_no_completion_request_gets_a_server_error(server, changes):
     body = encode(SMALL | changes)
@@ -91,12 +94,7 @@ CHAT_VALUES = st.one_of(ANYTHING, st.lists(st.one_of(MESSAGE, ANYTHING), max_siz
 SMALL_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(max_examples=100, **FUZZ_SETTINGS)
 @given(changes=st.dictionaries(st.sampled_from(CHAT_FIELDS), CHAT_VALUES, min_size=1, max_size=4))
 def test_no_chat_request_gets_a_server_error(server, changes):
     check_answer(post_raw(server, "/v1/chat/completions", encode(SMALL_CHAT | changes)), changes)
