@@ -1,9 +1,13 @@
 """deploy/: the Ray Serve config and the KubeRay RayService manifest are valid and mean what
-`octavo serve --ray` means. Ray Serve's own config schema checks the Serve configs; the
-RayService is checked against the fields KubeRay's ray.io/v1 CRD requires (the CRD's full
-OpenAPI schema is not installable here: it ships with the KubeRay operator, not on PyPI)."""
+`octavo serve --ray` means. Ray Serve's own config schema checks the Serve configs; KubeRay's
+ray.io/v1 RayService CRD schema (vendored, see schemas/README.md) checks the manifest the way
+`kubectl apply` does by default (strict field validation: an unknown field is an error)."""
 
+import copy
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -13,79 +17,51 @@ from ray.serve.schema import ServeDeploySchema
 from octavo.server.ray_serve.launch import app_builder, parse_flags
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+CRD_SCHEMA = Path(__file__).resolve().parent / "schemas" / "ray.io_rayservices.v1.spec.json"
 
-# KubeRay ray.io/v1 RayService: the required fields and their types (ray-operator's
-# RayServiceSpec / RayClusterSpec / HeadGroupSpec / WorkerGroupSpec).
-_CONTAINERS = {
-    "type": "array",
-    "minItems": 1,
-    "items": {
-        "type": "object",
-        "required": ["name", "image"],
-        "properties": {"name": {"type": "string"}, "image": {"type": "string"}},
-    },
-}
-_POD_TEMPLATE = {
-    "type": "object",
-    "required": ["spec"],
-    "properties": {
-        "spec": {
-            "type": "object",
-            "required": ["containers"],
-            "properties": {"containers": _CONTAINERS},
-        }
-    },
-}
-_START_PARAMS = {"type": "object", "additionalProperties": {"type": "string"}}
-RAYSERVICE_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "ray.io/v1"},
-        "kind": {"const": "RayService"},
-        "metadata": {"type": "object", "required": ["name"]},
-        "spec": {
-            "type": "object",
-            "required": ["serveConfigV2", "rayClusterConfig"],
-            "properties": {
-                "serveConfigV2": {"type": "string"},
-                "serviceUnhealthySecondThreshold": {"type": "integer"},
-                "deploymentUnhealthySecondThreshold": {"type": "integer"},
-                "rayClusterConfig": {
-                    "type": "object",
-                    "required": ["headGroupSpec"],
-                    "properties": {
-                        "rayVersion": {"type": "string"},
-                        "enableInTreeAutoscaling": {"type": "boolean"},
-                        "headGroupSpec": {
-                            "type": "object",
-                            "required": ["template"],
-                            "properties": {
-                                "rayStartParams": _START_PARAMS,
-                                "template": _POD_TEMPLATE,
-                            },
-                        },
-                        "workerGroupSpecs": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["groupName", "template"],
-                                "properties": {
-                                    "groupName": {"type": "string"},
-                                    "replicas": {"type": "integer", "minimum": 0},
-                                    "minReplicas": {"type": "integer", "minimum": 0},
-                                    "maxReplicas": {"type": "integer", "minimum": 0},
-                                    "rayStartParams": _START_PARAMS,
-                                    "template": _POD_TEMPLATE,
-                                },
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
+# OpenAPI v3 extensions the API server enforces that JSON Schema cannot: CEL rules. The test
+# refuses a manifest that reaches one, rather than passing it unchecked.
+CEL_RULES = "x-kubernetes-validations"
+PRESERVE_UNKNOWN = "x-kubernetes-preserve-unknown-fields"
+
+
+def strict(schema: Any) -> Any:
+    """The CRD's structural schema as JSON Schema with kubectl's strict field validation: an
+    object that lists its properties accepts no others unless the CRD preserves unknown fields."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict(value) for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and not out.get(PRESERVE_UNKNOWN):
+        out["additionalProperties"] = False
+    return out
+
+
+def schema_nodes(schema: dict, document: Any) -> Iterator[dict]:
+    """Every schema node that `document` reaches through `properties`, `items` and
+    `additionalProperties`."""
+    yield schema
+    if isinstance(document, dict):
+        for key, value in document.items():
+            sub = schema.get("properties", {}).get(key, schema.get("additionalProperties"))
+            if isinstance(sub, dict):
+                yield from schema_nodes(sub, value)
+    elif isinstance(document, list) and isinstance(schema.get("items"), dict):
+        for value in document:
+            yield from schema_nodes(schema["items"], value)
+
+
+def rayservice_errors(manifest: dict) -> list[str]:
+    crd = json.loads(CRD_SCHEMA.read_text())
+    assert not any(CEL_RULES in node for node in schema_nodes(crd, manifest)), (
+        "the manifest sets a field with a CEL rule, which this test cannot evaluate"
+    )
+    validator = jsonschema.Draft7Validator(strict(crd))
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(manifest)
+    ]
 
 
 def serve_config(document: dict) -> ServeDeploySchema:
@@ -104,7 +80,7 @@ def test_the_serve_config_is_a_valid_octavo_application():
 
 def test_the_rayservice_manifest_is_valid_and_gives_each_replica_a_gpu():
     manifest = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
-    jsonschema.validate(manifest, RAYSERVICE_SCHEMA)
+    assert rayservice_errors(manifest) == []
     spec = manifest["spec"]
     config = serve_config(yaml.safe_load(spec["serveConfigV2"]))
     args = parse_flags(config.applications[0].args)
@@ -127,3 +103,37 @@ def test_replica_counts_are_checked():
         app_builder({"num_replicas": 0})
     with pytest.raises(ValueError, match="max-replicas"):
         app_builder({"num_replicas": 3, "max_replicas": 2})
+
+
+@pytest.mark.parametrize(
+    ("mistake", "error"),
+    [
+        pytest.param(
+            lambda s: s["rayClusterConfig"].update(workerGroupSpec=[]),
+            "Additional properties are not allowed",
+            id="unknown-field",
+        ),
+        pytest.param(
+            lambda s: s["rayClusterConfig"]["workerGroupSpecs"][0].update(replicas="2"),
+            "not of type",
+            id="wrong-type",
+        ),
+        pytest.param(
+            lambda s: s["rayClusterConfig"]["headGroupSpec"].pop("template"),
+            "'template' is a required",
+            id="missing-field",
+        ),
+        pytest.param(
+            lambda s: s["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+                "resources"
+            ]["limits"].update(cpu="four"),
+            "does not match",
+            id="bad-quantity",
+        ),
+    ],
+)
+def test_the_crd_schema_refuses_a_broken_rayservice(mistake, error):
+    manifest = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
+    broken = copy.deepcopy(manifest)
+    mistake(broken["spec"])
+    assert any(error in message for message in rayservice_errors(broken)), rayservice_errors(broken)
