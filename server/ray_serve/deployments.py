@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
@@ -24,12 +25,16 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from octavo.engine.core_messages import EngineStats
 from octavo.engine.heap import freeze_startup_heap
 from octavo.server.errors import APIError
 from octavo.server.http_guards import body_too_large
 from octavo.server.ray_serve.asgi_bridge import call_asgi
-from octavo.server.ray_serve.messages import REPLICA_HEADER, ForwardedRequest, ResponseStart
+from octavo.server.ray_serve.messages import (
+    REPLICA_HEADER,
+    ForwardedRequest,
+    ReplicaStats,
+    ResponseStart,
+)
 from octavo.server.ray_serve.replica_metrics import PUBLISH_PERIOD_S, ReplicaMetrics
 from octavo.server.ray_serve.routing import routing_key
 from octavo.server.streaming import SSE_DONE, sse_event
@@ -60,9 +65,9 @@ class EngineReplica:
         async for item in call_asgi(self._app, request, self._headers):
             yield item
 
-    def stats(self) -> tuple[str, EngineStats]:
-        """This replica's id and its engine's stats after the latest step."""
-        return self.replica_id, self._engine.stats()
+    def stats(self) -> ReplicaStats:
+        """This replica's id and process, and its engine's stats after the latest step."""
+        return ReplicaStats(self.replica_id, os.getpid(), self._engine.stats())
 
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose engine died (or stopped) is replaced."""

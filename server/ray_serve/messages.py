@@ -1,9 +1,12 @@
 """What the ingress and the engine replicas send each other through Ray: plain, picklable
-dataclasses (the request as received, the response's head, its body in chunks)."""
+dataclasses (the request as received, the response's head, its body in chunks, a replica's
+stats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from octavo.engine.core_messages import EngineStats
 
 # The response header naming the replica that served a request (its Ray Serve replica id).
 REPLICA_HEADER = "x-octavo-replica"
@@ -29,3 +32,13 @@ class ResponseStart:
 
     status: int
     headers: list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What `EngineReplica.stats` answers: which replica (its Ray Serve id and its process),
+    and its engine's stats after the latest step."""
+
+    replica_id: str
+    pid: int
+    engine: EngineStats

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -41,6 +42,19 @@ class LiveServer:
                 name, value = line.rsplit(" ", 1)
                 values[name] = float(value)
         return values
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core: the server's child that multiprocessing spawned (not its resource
+    tracker)."""
+    children = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        if "spawn_main" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine core among the children {children}")
 
 
 def free_port() -> int:

@@ -9,23 +9,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import MODEL_NAME, live_server
+from tests.server.conftest import MODEL_NAME, core_pid, live_server
 
 NUM_STREAMS = 4
 EXIT_TIMEOUT_S = 15
-
-
-def core_pid(server_pid: int) -> int:
-    """The engine core: the server's child that multiprocessing spawned (not its resource
-    tracker)."""
-    children = []
-    for task in Path(f"/proc/{server_pid}/task").iterdir():
-        children += (task / "children").read_text().split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        if "spawn_main" in cmdline:
-            return int(pid)
-    raise AssertionError(f"no engine core among the children {children}")
 
 
 def test_killing_the_core_ends_every_stream_with_an_error_and_the_server_exits_1(

@@ -7,6 +7,8 @@ cache hits from `usage.prompt_tokens_details.cached_tokens`."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -16,9 +18,10 @@ import ray
 from ray import serve
 
 from octavo.engine import LLM, SamplingParams
+from octavo.engine.core_messages import EngineStats
 from octavo.server.ray_serve.launch import APP_NAME, build_app, parse_flags
-from octavo.server.ray_serve.messages import REPLICA_HEADER
-from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, free_port
+from octavo.server.ray_serve.messages import REPLICA_HEADER, ReplicaStats
+from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, core_pid, free_port
 
 NUM_REPLICAS = 2
 NUM_BLOCKS = 4096  # of 8 tokens: room for the 64 x 256 tokens of the disconnect test
@@ -73,15 +76,20 @@ def greedy_text(offline: LLM, prompt: str, max_tokens: int) -> str:
     return offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
 
 
-def replica_stats() -> dict[str, object]:
-    """Each live replica's engine stats by replica id (asked until every replica answered)."""
+def replicas() -> dict[str, ReplicaStats]:
+    """Each live replica's stats by replica id (asked until every replica answered)."""
     handle = serve.get_deployment_handle("EngineReplica", APP_NAME)
-    stats: dict[str, object] = {}
+    found: dict[str, ReplicaStats] = {}
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-    while len(stats) < NUM_REPLICAS and time.monotonic() < deadline:
-        replica_id, engine_stats = handle.stats.remote().result()
-        stats[replica_id] = engine_stats
-    return stats
+    while len(found) < NUM_REPLICAS and time.monotonic() < deadline:
+        stats = handle.stats.remote().result()
+        found[stats.replica_id] = stats
+    return found
+
+
+def replica_stats() -> dict[str, EngineStats]:
+    """Each live replica's engine stats by replica id."""
+    return {replica_id: stats.engine for replica_id, stats in replicas().items()}
 
 
 def test_completions_and_chat_through_ray_equal_the_engine(ray_client, offline):
@@ -182,23 +190,40 @@ async def stream_completion(client: httpx.AsyncClient, body: dict) -> tuple[str,
         return response.headers.get(REPLICA_HEADER, ""), response.status_code, events
 
 
-def test_a_killed_replica_loses_only_its_requests_and_comes_back(ray_endpoint):
-    before = set(replica_stats())
+def kill_replica_process(victim: ReplicaStats) -> None:
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#EngineReplica#{victim.replica_id}", "serve")
+    ray.kill(actor, no_restart=True)
+
+
+def kill_engine_core(victim: ReplicaStats) -> None:
+    """The replica lives on with a dead engine: its health check fails and Ray replaces it."""
+    os.kill(core_pid(victim.pid), signal.SIGKILL)
+
+
+# Each fault, and what a stream it cuts ends with: the ingress's error for a replica that
+# died, the replica's own (the server's) error for an engine core that died under it.
+@pytest.mark.parametrize(
+    ("fault", "cut_stream_error"),
+    [(kill_replica_process, "replica_failed"), (kill_engine_core, "engine core process exited")],
+)
+def test_a_failed_replica_loses_only_its_requests_and_comes_back(
+    ray_endpoint, fault, cut_stream_error
+):
+    before = replicas()
+    victim = sorted(before)[0]
     body = {"model": MODEL_NAME, "max_tokens": 200, "stream": True, "ignore_eos": True}
 
-    async def load_then_kill() -> tuple[str, list]:
+    async def load_then_fail() -> list:
         async with httpx.AsyncClient(base_url=ray_endpoint, timeout=120) as client:
             tasks = [
                 asyncio.ensure_future(stream_completion(client, body | {"prompt": f"{i} ="}))
                 for i in range(24)
             ]
             await asyncio.sleep(1.0)  # streams under way on both replicas
-            victim = sorted(before)[0]
-            actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#EngineReplica#{victim}", "serve")
-            ray.kill(actor, no_restart=True)
-            return victim, await asyncio.wait_for(asyncio.gather(*tasks), RECOVERY_TIMEOUT_S)
+            fault(before[victim])
+            return await asyncio.wait_for(asyncio.gather(*tasks), RECOVERY_TIMEOUT_S)
 
-    victim, results = asyncio.run(load_then_kill())
+    results = asyncio.run(load_then_fail())
     survivors = [events for replica, _, events in results if replica != victim]
     assert survivors, "no request ran on the surviving replica"
     for events in survivors:  # untouched: every token, then [DONE]
@@ -208,14 +233,14 @@ def test_a_killed_replica_loses_only_its_requests_and_comes_back(ray_endpoint):
         complete = status == 200 and events[-1] == "data: [DONE]" and '"error"' not in events[-2]
         if replica == victim or not complete:  # done before the kill, or failed cleanly
             failed += not complete
-            assert complete or status == 503 or any('"error"' in e for e in events)
-    assert failed, "no stream was cut by the kill"
+            assert complete or status == 503 or cut_stream_error in events[-2], events[-2:]
+    assert failed, "no stream was cut by the fault"
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while True:  # Ray Serve replaces the replica, and the new one serves
-        replicas = set(replica_stats())
-        if len(replicas) == NUM_REPLICAS and victim not in replicas:
+        live = set(replicas())
+        if len(live) == NUM_REPLICAS and victim not in live:
             break
-        assert time.monotonic() < deadline, f"replica {victim} was not replaced: {replicas}"
+        assert time.monotonic() < deadline, f"replica {victim} was not replaced: {live}"
         time.sleep(1)
     responses = asyncio.run(
         post_all(
@@ -224,4 +249,4 @@ def test_a_killed_replica_loses_only_its_requests_and_comes_back(ray_endpoint):
         )  # fmt: skip
     )
     assert {r.status_code for r in responses} == {200}
-    assert {r.headers[REPLICA_HEADER] for r in responses} == replicas
+    assert {r.headers[REPLICA_HEADER] for r in responses} == live
