@@ -6,8 +6,12 @@ which starts its own local Ray instance), one torch thread per engine. The load 
 `sse_client.py` (raw sockets, separate processes, reports its own CPU): all requests at
 once, streamed, usage in the last event.
 
-  throughput: --num-requests prompts of --prompt-len random token ids, --output-len tokens
-              each (EOS ignored), --repeats timed runs after one untimed warm-up.
+  throughput: two workloads, each server answering both. "many streams": --num-requests
+              prompts of --prompt-len random token ids, --output-len tokens each (EOS
+              ignored); "few fast streams": --fast-requests prompts, --fast-output-len tokens
+              each, so that each stream gets tokens many times faster. --repeats timed runs
+              after one untimed warm-up. Ray with 1 replica runs twice: with the default
+              --stream-batching-ms and with 0 (every chunk its own message).
   routing:    --prefixes groups of --per-prefix requests sharing a --prefix-len-token prefix
               (plus 16 own tokens), two replicas; one request per group first (it computes
               the prefix), then the rest at once. Hit rate = cached prompt tokens / prompt
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--fast-requests", type=int, default=8)
+    p.add_argument("--fast-output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefixes", type=int, default=8)
     p.add_argument("--per-prefix", type=int, default=8)
@@ -63,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.num_requests, args.output_len, args.repeats = 4, 4, 1
+        args.fast_requests, args.fast_output_len = 2, 8
         args.prefixes, args.per_prefix, args.prefix_len = 2, 2, 64  # the routing key's length
     return args
 
@@ -85,16 +92,7 @@ def server_cmd(model: str, port: int, extra: list[str]) -> list[str]:
     return cmd + ["--device", "cpu", "--torch-threads", "1", "--log-level", "warning", *extra]
 
 
-def measure_throughput(args: argparse.Namespace, extra: list[str]) -> dict:
-    rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(VOCAB) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
-    ]
-    bodies = [body(p, args.output_len) for p in prompts]
-    port = free_port()
-    with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
-        run_clients(port, bodies[: max(1, len(bodies) // 4)])  # warm-up
-        runs = [run_clients(port, bodies) for _ in range(args.repeats)]
+def summarize(runs: list[dict]) -> dict:
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
         "ttft_median_s": statistics.median(r["ttft_median_s"] for r in runs),
@@ -102,6 +100,28 @@ def measure_throughput(args: argparse.Namespace, extra: list[str]) -> dict:
         "client_cpu_share_of_a_core": max(r["client_cpu_share_of_a_core"] for r in runs),
         "runs": runs,
     }
+
+
+def measure_throughput(args: argparse.Namespace, extra: list[str]) -> dict[str, dict]:
+    """Each workload's summary on one server started with `extra`."""
+    rng = random.Random(args.seed)
+    workloads = {
+        "many streams": (args.num_requests, args.output_len),
+        "few fast streams": (args.fast_requests, args.fast_output_len),
+    }
+    bodies = {
+        name: [
+            body([rng.randrange(VOCAB) for _ in range(args.prompt_len)], n_out) for _ in range(n)
+        ]
+        for name, (n, n_out) in workloads.items()
+    }
+    port = free_port()
+    results = {}
+    with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
+        for name, requests in bodies.items():
+            run_clients(port, requests[: max(1, len(requests) // 4)])  # warm-up
+            results[name] = summarize([run_clients(port, requests) for _ in range(args.repeats)])
+    return results
 
 
 def measure_routing(args: argparse.Namespace, routing: str) -> dict:
@@ -134,13 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     systems = {"octavo serve": []}
     if not args.smoke:
         systems["ray, 1 replica"] = [*ray_flags, "--num-replicas", "1"]
+        systems["ray, 1 replica, no stream batching"] = [
+            *ray_flags,
+            *("--num-replicas", "1", "--stream-batching-ms", "0"),
+        ]
         systems["ray, 2 replicas"] = [*ray_flags, "--num-replicas", "2"]
     throughput = {}
     for name, extra in systems.items():
         print(f"[ray_serve] {name} ...", flush=True)
         throughput[name] = measure_throughput(args, extra)
-        row = throughput[name]
-        print(f"  {row['tokens_per_s']:.1f} tok/s, TTFT median {row['ttft_median_s'] * 1e3:.0f} ms")
+        for workload, row in throughput[name].items():
+            print(
+                f"  {workload}: {row['tokens_per_s']:.1f} tok/s, "
+                f"TTFT median {row['ttft_median_s'] * 1e3:.0f} ms"
+            )
     routings = ["prefix"] if args.smoke else ["least-loaded", "prefix"]
     routing = {}
     for name in routings:

@@ -34,6 +34,9 @@ DEFAULT_MAX_N_SHARE = 4
 # 6x512 GPT-2 of the serving benchmark costs 42 MFLOP per token, its 1x16 twin 0.14, the
 # embedded default model 2.6.
 MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES = 10_000_000
+# --stream-batching-ms's default: Ray Serve LLM's own for the same purpose
+# (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS), 20 messages a second per stream.
+DEFAULT_STREAM_BATCHING_MS = 50.0
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +268,14 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="prefix routing: ongoing requests by which the prefix's replica may exceed the "
         "least busy one before load wins",
+    )
+    group.add_argument(
+        "--stream-batching-ms",
+        type=float,
+        default=DEFAULT_STREAM_BATCHING_MS,
+        help="a replica sends a stream's first chunk at once, then at most one message per "
+        "this many ms with every chunk made meanwhile (each message between Ray processes "
+        "costs CPU, whatever its size); 0: each chunk as it comes",
     )
     group.add_argument(
         "--num-cpus-per-replica",

@@ -1,5 +1,7 @@
 """Runs one forwarded request through an ASGI app in this process and streams the response
-back: the head first, then the body chunks as the app sends them.
+back: the head first, then the body chunks as the app sends them, at most one item per
+`batch_interval_s` after the first (each item is a message between processes, whose cost,
+not the bytes, is what a fast stream multiplies).
 
 The app sees an ordinary HTTP request whose body has arrived. When the caller stops reading
 (the stream is cancelled or closed), the next `receive` says `http.disconnect`, a `send`
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,10 +43,15 @@ def http_scope(request: ForwardedRequest) -> dict[str, Any]:
 
 
 async def call_asgi(
-    app: ASGIApp, request: ForwardedRequest, extra_headers: list[tuple[bytes, bytes]]
+    app: ASGIApp,
+    request: ForwardedRequest,
+    extra_headers: list[tuple[bytes, bytes]],
+    batch_interval_s: float = 0.0,
 ) -> AsyncIterator[ResponseStart | bytes]:
-    """Yields the app's ResponseStart (with `extra_headers` added), then every non-empty body
-    chunk. Closing or cancelling the iterator disconnects the app's request."""
+    """Yields the app's ResponseStart (with `extra_headers` added), then its body: the first
+    chunk as soon as it is sent, later ones joined so that items are at least
+    `batch_interval_s` apart. Closing or cancelling the iterator disconnects the app's
+    request."""
     sent: asyncio.Queue[Message] = asyncio.Queue()
     gone = asyncio.Event()
     body_taken = False
@@ -62,6 +70,8 @@ async def call_asgi(
         await sent.put(message)
 
     app_task = asyncio.ensure_future(app(http_scope(request), receive, send))
+    loop = asyncio.get_running_loop()
+    last_yield = -math.inf
     complete = False
     try:
         while True:
@@ -72,15 +82,18 @@ async def call_asgi(
                 headers = [*message.get("headers", []), *extra_headers]
                 yield ResponseStart(message["status"], headers)
             elif message["type"] == "http.response.body":
-                # Chunks the app sent while the last one was in transit go as one: each item
-                # is a message between processes, so a fast stream is coalesced, not queued.
+                # Chunks the app sends within the interval, or while the last item was in
+                # transit, go as one: a fast stream is coalesced, not queued.
                 body, more = message.get("body", b""), message.get("more_body", False)
+                if more and (wait := last_yield + batch_interval_s - loop.time()) > 0:
+                    await asyncio.sleep(wait)
                 while more and not sent.empty():
                     message = sent.get_nowait()
                     body += message.get("body", b"")
                     more = message.get("more_body", False)
                 if body:
                     yield body
+                    last_yield = loop.time()
                 if not more:
                     complete = True
                     return

@@ -52,6 +52,7 @@ class EngineReplica:
         self._engine, self._app = build_server(args)
         self._engine.start()
         self._grace_seconds = args.shutdown_grace_seconds
+        self._batch_interval_s = args.stream_batching_ms / 1000
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._headers = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
         self._metrics = ReplicaMetrics()
@@ -62,7 +63,7 @@ class EngineReplica:
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks."""
-        async for item in call_asgi(self._app, request, self._headers):
+        async for item in call_asgi(self._app, request, self._headers, self._batch_interval_s):
             yield item
 
     def stats(self) -> ReplicaStats:

@@ -37,6 +37,8 @@ def build_app(args: argparse.Namespace) -> Application:
         raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
         raise ValueError("--max-replicas must be >= --num-replicas")
+    if not args.stream_batching_ms >= 0:
+        raise ValueError(f"--stream-batching-ms must be >= 0, got {args.stream_batching_ms}")
     config = engine_config_from_args(args)
     cuda = config.torch_device.type == "cuda"
     cpus = args.num_cpus_per_replica

@@ -98,11 +98,13 @@ def test_a_bad_flag_in_a_serve_config_is_refused():
         app_builder({"no_such_flag": 1})
 
 
-def test_replica_counts_are_checked():
+def test_ray_flags_are_checked():
     with pytest.raises(ValueError, match="num-replicas"):
         app_builder({"num_replicas": 0})
     with pytest.raises(ValueError, match="max-replicas"):
         app_builder({"num_replicas": 3, "max_replicas": 2})
+    with pytest.raises(ValueError, match="stream-batching-ms"):
+        app_builder({"stream_batching_ms": -1})
 
 
 @pytest.mark.parametrize(

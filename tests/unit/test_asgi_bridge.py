@@ -14,16 +14,16 @@ from octavo.server.ray_serve.messages import ForwardedRequest, ResponseStart
 EXTRA = [(b"x-extra", b"1")]
 
 
-def make_app(log: list[str]) -> Starlette:
+def make_app(log: list[str], period_s: float = 0.01, count: int = 1000) -> Starlette:
     async def echo(request: Request) -> JSONResponse:
         return JSONResponse({"got": (await request.json())["n"], "q": request.url.query})
 
     async def stream(_: Request) -> StreamingResponse:
         async def events():
             try:
-                for i in range(1000):
+                for i in range(count):
                     yield f"data: {i}\n\n"
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(period_s)
                 log.append("finished")
             finally:
                 log.append("closed")
@@ -62,3 +62,26 @@ def test_a_caller_that_stops_reading_ends_the_apps_stream():
 
     asyncio.run(run())
     assert log == ["closed"]  # the app's generator was closed, never ran to the end
+
+
+def test_a_fast_stream_is_batched_to_one_item_per_interval_and_loses_nothing():
+    interval, events = 0.05, 100
+
+    async def body_items(batch_interval_s: float) -> tuple[list[bytes], float]:
+        app = make_app([], period_s=0.002, count=events)
+        start = asyncio.get_running_loop().time()
+        items = [
+            item
+            async for item in call_asgi(app, forwarded("/stream"), EXTRA, batch_interval_s)
+            if isinstance(item, bytes)
+        ]
+        return items, asyncio.get_running_loop().time() - start
+
+    want = "".join(f"data: {i}\n\n" for i in range(events)).encode()
+    items, elapsed = asyncio.run(body_items(interval))
+    assert b"".join(items) == want
+    assert items[0] == b"data: 0\n\n"  # the first chunk is not held back
+    # Items after the first are at least `interval` apart; the last may follow at once.
+    assert len(items) <= 2 + elapsed / interval, (len(items), elapsed)
+    unbatched, _ = asyncio.run(body_items(0.0))
+    assert b"".join(unbatched) == want and len(unbatched) > len(items)
