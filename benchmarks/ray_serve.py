@@ -13,9 +13,11 @@ once, streamed, usage in the last event.
               after one untimed warm-up. Ray with 1 replica runs twice: with the default
               --stream-batching-ms and with 0 (every chunk its own message).
   routing:    --prefixes groups of --per-prefix requests sharing a --prefix-len-token prefix
-              (plus 16 own tokens), two replicas; one request per group first (it computes
-              the prefix), then the rest at once. Hit rate = cached prompt tokens / prompt
-              tokens of the second wave, from `usage.prompt_tokens_details.cached_tokens`.
+              (plus 16 own tokens), on each of --routing-replicas replica counts; one request
+              per group first (it computes the prefix), then the rest at once. Hit rate =
+              cached prompt tokens / prompt tokens of the second wave, from
+              `usage.prompt_tokens_details.cached_tokens`. Least-loaded routing computes a
+              prefix once on every replica its group reaches, prefix routing once in all.
 
     .venv/bin/python benchmarks/ray_serve.py     # -> results/ray_serve_cpu.json
     .venv/bin/python benchmarks/ray_serve.py --smoke --result-file /tmp/r.json
@@ -63,6 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefixes", type=int, default=8)
     p.add_argument("--per-prefix", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument(
+        "--routing-replicas",
+        type=lambda s: [int(n) for n in s.split(",")],
+        default=[2, 4],
+        help="replica counts of the routing runs, comma-separated",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a few requests, two servers")
     p.add_argument("--result-file", type=Path, default=None)
@@ -71,6 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.num_requests, args.output_len, args.repeats = 4, 4, 1
         args.fast_requests, args.fast_output_len = 2, 8
         args.prefixes, args.per_prefix, args.prefix_len = 2, 2, 64  # the routing key's length
+        args.routing_replicas = [2]
     return args
 
 
@@ -124,7 +133,7 @@ def measure_throughput(args: argparse.Namespace, extra: list[str]) -> dict[str, 
     return results
 
 
-def measure_routing(args: argparse.Namespace, routing: str) -> dict:
+def measure_routing(args: argparse.Namespace, routing: str, replicas: int) -> dict:
     rng = random.Random(args.seed + 1)
     prefixes = [
         [rng.randrange(VOCAB) for _ in range(args.prefix_len)] for _ in range(args.prefixes)
@@ -134,7 +143,10 @@ def measure_routing(args: argparse.Namespace, routing: str) -> dict:
         for prefix in prefixes
     ]
     port = free_port()
-    extra = ["--ray", "--num-replicas", "2", "--routing", routing, "--num-cpus-per-replica", "1"]
+    # The replicas share the machine's cores; Ray only has to be able to place them.
+    cpus = str(min(1.0, (os.cpu_count() or 1) / replicas))
+    extra = ["--ray", "--num-replicas", str(replicas), "--routing", routing]
+    extra += ["--num-cpus-per-replica", cpus]
     with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
         run_clients(port, [body(group[0], 1) for group in groups])  # each prefix computed once
         rest = [p for group in groups for p in group[1:]]
@@ -169,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"TTFT median {row['ttft_median_s'] * 1e3:.0f} ms"
             )
     routings = ["prefix"] if args.smoke else ["least-loaded", "prefix"]
-    routing = {}
-    for name in routings:
-        print(f"[ray_serve] routing {name} ...", flush=True)
-        routing[name] = measure_routing(args, name)
-        print(f"  hit rate {routing[name]['hit_rate']:.2f}")
+    routing: dict[str, dict] = {}
+    for replicas in args.routing_replicas:
+        runs = routing[f"{replicas} replicas"] = {}
+        for name in routings:
+            print(f"[ray_serve] routing {name}, {replicas} replicas ...", flush=True)
+            runs[name] = measure_routing(args, name, replicas)
+            print(f"  hit rate {runs[name]['hit_rate']:.2f}")
     result = {
         "benchmark": "ray_serve",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -48,7 +48,7 @@ def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path)
         runs = alone[workload]["runs"]
         assert alone[workload]["failed"] == 0
         assert all(r["completion_tokens"] == tokens for r in runs)
-    prefix = result["routing"]["prefix"]
+    prefix = result["routing"]["2 replicas"]["prefix"]
     # Two groups of two sharing a 64-token prefix (four 16-token blocks): routed by it, each
     # group's second request finds all of it cached.
     assert prefix["failed"] == 0 and prefix["cached_prompt_tokens"] == 2 * 64
