@@ -273,9 +273,9 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
         "--stream-batching-ms",
         type=float,
         default=DEFAULT_STREAM_BATCHING_MS,
-        help="a replica sends a stream's first chunk at once, then at most one message per "
-        "this many ms with every chunk made meanwhile (each message between Ray processes "
-        "costs CPU, whatever its size); 0: each chunk as it comes",
+        help="a replica sends a stream's first two chunks at once, then one message per this "
+        "many ms on average with every chunk made meanwhile (each message between Ray "
+        "processes costs CPU, whatever its size); 0: each chunk as it comes",
     )
     group.add_argument(
         "--num-cpus-per-replica",

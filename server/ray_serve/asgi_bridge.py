@@ -1,7 +1,7 @@
 """Runs one forwarded request through an ASGI app in this process and streams the response
-back: the head first, then the body chunks as the app sends them, at most one item per
-`batch_interval_s` after the first (each item is a message between processes, whose cost,
-not the bytes, is what a fast stream multiplies).
+back: the head first, then the body chunks as the app sends them, paced by a `Pacer` (each
+item is a message between processes, whose cost, not the bytes, is what a fast stream
+multiplies).
 
 The app sees an ordinary HTTP request whose body has arrived. When the caller stops reading
 (the stream is cancelled or closed), the next `receive` says `http.disconnect`, a `send`
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.types import ASGIApp, Message
 
 from octavo.server.ray_serve.messages import ForwardedRequest, ResponseStart
+from octavo.server.ray_serve.pacer import Pacer
 
 
 def http_scope(request: ForwardedRequest) -> dict[str, Any]:
@@ -49,9 +49,9 @@ async def call_asgi(
     batch_interval_s: float = 0.0,
 ) -> AsyncIterator[ResponseStart | bytes]:
     """Yields the app's ResponseStart (with `extra_headers` added), then its body: the first
-    chunk as soon as it is sent, later ones joined so that items are at least
-    `batch_interval_s` apart. Closing or cancelling the iterator disconnects the app's
-    request."""
+    `PACER_BURST` chunks as soon as they are sent, then one item per `batch_interval_s` on
+    average, each joining the chunks sent meanwhile. Closing or cancelling the iterator
+    disconnects the app's request."""
     sent: asyncio.Queue[Message] = asyncio.Queue()
     gone = asyncio.Event()
     body_taken = False
@@ -71,7 +71,7 @@ async def call_asgi(
 
     app_task = asyncio.ensure_future(app(http_scope(request), receive, send))
     loop = asyncio.get_running_loop()
-    last_yield = -math.inf
+    pacer = Pacer(batch_interval_s)
     complete = False
     try:
         while True:
@@ -85,7 +85,7 @@ async def call_asgi(
                 # Chunks the app sends within the interval, or while the last item was in
                 # transit, go as one: a fast stream is coalesced, not queued.
                 body, more = message.get("body", b""), message.get("more_body", False)
-                if more and (wait := last_yield + batch_interval_s - loop.time()) > 0:
+                if more and (wait := pacer.delay(loop.time())) > 0:
                     await asyncio.sleep(wait)
                 while more and not sent.empty():
                     message = sent.get_nowait()
@@ -93,7 +93,7 @@ async def call_asgi(
                     more = message.get("more_body", False)
                 if body:
                     yield body
-                    last_yield = loop.time()
+                    pacer.sent(loop.time())
                 if not more:
                     complete = True
                     return
