@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--routing-replicas",
         type=lambda s: [int(n) for n in s.split(",")],
-        default=[2, 4],
+        default=[2, 4, 8],
         help="replica counts of the routing runs, comma-separated",
     )
     p.add_argument("--seed", type=int, default=0)
