@@ -37,6 +37,8 @@ import random
 import statistics
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 try:
@@ -47,10 +49,12 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from octavo.benchmarks.common import git_commit  # noqa: E402
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server  # noqa: E402
 from octavo.server.cli import DEFAULT_MODEL  # noqa: E402
+from octavo.server.ray_serve.messages import REPLICA_HEADER  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OWN_TOKENS = 16  # after a shared prefix, per request
 VOCAB = 4096  # the embedded default model's
+REPLICAS_READY_TIMEOUT_S = 60
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,6 +105,19 @@ def server_cmd(model: str, port: int, extra: list[str]) -> list[str]:
     return cmd + ["--device", "cpu", "--torch-threads", "1", "--log-level", "warning", *extra]
 
 
+def await_replicas(port: int, replicas: int) -> None:
+    """Returns once /health has been answered by `replicas` distinct replicas: the ingress's
+    router learns of replicas after the app reports ready, and a prefix hashed over fewer
+    replicas than the later requests see would move."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + REPLICAS_READY_TIMEOUT_S
+    while len(seen) < replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only replicas {seen} answered")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            seen.add(response.headers[REPLICA_HEADER])
+
+
 def summarize(runs: list[dict]) -> dict:
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
@@ -148,6 +165,7 @@ def measure_routing(args: argparse.Namespace, routing: str, replicas: int) -> di
     extra = ["--ray", "--num-replicas", str(replicas), "--routing", routing]
     extra += ["--num-cpus-per-replica", cpus]
     with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
+        await_replicas(port, replicas)
         run_clients(port, [body(group[0], 1) for group in groups])  # each prefix computed once
         rest = [p for group in groups for p in group[1:]]
         second = run_clients(port, [body(p, 1) for p in rest])

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -91,9 +92,8 @@ async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, in
     return usage["completion_tokens"], done, events, ttft, cached
 
 
-def _client_process(
-    port: int, bodies: list[bytes], start_at: float, results, cpus: set[int] | None
-) -> None:
+def _client_process(port: int, bodies: list[bytes], start_at: float, cpus: set[int] | None):
+    """One client process's work: (outcomes, its CPU seconds, first send, last read)."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
 
@@ -105,7 +105,7 @@ def _client_process(
 
     cpu = time.process_time()
     began, outcomes = asyncio.run(main())
-    results.put((outcomes, time.process_time() - cpu, began, time.time()))
+    return outcomes, time.process_time() - cpu, began, time.time()
 
 
 def run_clients(
@@ -113,19 +113,25 @@ def run_clients(
 ) -> dict:
     """Sends every body at once from `num_procs` processes (pinned to `cpus` if given).
     Wall time runs from the first request sent to the last response read."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
     start_at = time.time() + START_DELAY_S
     shares = [bodies[i::num_procs] for i in range(num_procs)]
+    # Each client runs this file as a script: multiprocessing's spawn would first re-import
+    # the caller's main module (a benchmark script that imports torch: seconds per client).
     procs = [
-        context.Process(target=_client_process, args=(port, share, start_at, results, cpus))
-        for share in shares
+        subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for _ in shares
     ]
+    for proc, share in zip(procs, shares, strict=True):
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps((port, share, start_at, cpus)))
+        proc.stdin.close()
+    gathered = []
     for proc in procs:
-        proc.start()
-    gathered = [results.get() for _ in procs]
-    for proc in procs:
-        proc.join()
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        if proc.wait() != 0:
+            raise RuntimeError(f"a load client exited with {proc.returncode}")
+        gathered.append(pickle.loads(out))
     wall = max(g[3] for g in gathered) - min(g[2] for g in gathered)
     outcomes = [o for g in gathered for o in g[0]]
     tokens = sum(o[0] for o in outcomes)
@@ -141,3 +147,7 @@ def run_clients(
         "client_cpu_s": client_cpu,
         "client_cpu_share_of_a_core": client_cpu / wall,
     }
+
+
+if __name__ == "__main__":  # a client process of run_clients: arguments in, results out
+    sys.stdout.buffer.write(pickle.dumps(_client_process(*pickle.loads(sys.stdin.buffer.read()))))
