@@ -84,14 +84,14 @@ async def call_asgi(
             elif message["type"] == "http.response.body":
                 # Chunks the app sends within the interval, or while the last item was in
                 # transit, go as one: a fast stream is coalesced, not queued.
-                body, more = message.get("body", b""), message.get("more_body", False)
+                chunks, more = [message.get("body", b"")], message.get("more_body", False)
                 if more and (wait := pacer.delay(loop.time())) > 0:
                     await asyncio.sleep(wait)
                 while more and not sent.empty():
                     message = sent.get_nowait()
-                    body += message.get("body", b"")
+                    chunks.append(message.get("body", b""))
                     more = message.get("more_body", False)
-                if body:
+                if body := b"".join(chunks):
                     yield body
                     pacer.sent(loop.time())
                 if not more:
