@@ -92,7 +92,9 @@ async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, in
     return usage["completion_tokens"], done, events, ttft, cached
 
 
-def _client_process(port: int, bodies: list[bytes], start_at: float, cpus: set[int] | None):
+def _client_process(
+    port: int, bodies: list[bytes], start_at: float, cpus: set[int] | None
+) -> tuple[list, float, float, float]:
     """One client process's work: (outcomes, its CPU seconds, first send, last read)."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
