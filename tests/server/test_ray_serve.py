@@ -133,7 +133,13 @@ async def post_all(base_url: str, bodies: list[dict]) -> list[httpx.Response]:
 
 def test_a_load_of_120_requests_has_no_failure_and_uses_both_replicas(ray_endpoint):
     bodies = [
-        {"model": MODEL_NAME, "prompt": f"request {i}: x = {i} *", "max_tokens": 8}
+        # ignore_eos: a sampled token may be the EOS, and every request must run 8 tokens
+        {
+            "model": MODEL_NAME,
+            "prompt": f"request {i}: x = {i} *",
+            "max_tokens": 8,
+            "ignore_eos": True,
+        }
         for i in range(120)
     ]
     responses = asyncio.run(post_all(ray_endpoint, bodies))
