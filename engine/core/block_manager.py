@@ -300,7 +300,8 @@ class BlockManager:
         evictable = set(self._evictable)
         assert len(free) == len(self._free_blocks), "a block is on the free list twice"
         assert not free & evictable, "a block is both free and evictable"
-        assert NULL_BLOCK not in free | evictable and holders[NULL_BLOCK] == 0, "null block used"
+        unused = free | evictable  # built once: the loop below asks it for every block
+        assert NULL_BLOCK not in unused and holders[NULL_BLOCK] == 0, "null block used"
         registered = set(self._cached_blocks.values())
         assert len(registered) == len(self._cached_blocks), "a block has two names"
         used = sum(1 for b in range(1, self.num_blocks) if holders[b] > 0)
@@ -309,7 +310,7 @@ class BlockManager:
             assert self.ref_counts[block] == holders[block], (
                 f"block {block}: ref count {self.ref_counts[block]} != {holders[block]} holders"
             )
-            assert not (block in free | evictable and holders[block]), f"free {block} is held"
+            assert not (block in unused and holders[block]), f"free {block} is held"
             name = self._block_hashes[block]
             assert (name is None) == (block not in registered), (
                 f"block {block}: registered in one map only"

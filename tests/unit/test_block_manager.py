@@ -115,6 +115,16 @@ def test_freeing_an_unknown_sequence_is_a_no_op_and_invariants_catch_corruption(
         bm.check_invariants()
 
 
+def test_invariants_catch_a_held_block_on_the_free_list():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = make_seq(0, 3)
+    compute(bm, seq, 3)  # holds blocks 1 and 2; block 3 is free
+    held = bm.block_tables[seq.seq_id][0]
+    bm._free_blocks = [held]  # corrupt: the counts still add up, but a held block is free
+    with pytest.raises(AssertionError, match=f"free {held} is held"):
+        bm.check_invariants()
+
+
 def test_block_manager_rejects_too_few_blocks():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(num_blocks=1, block_size=4)
