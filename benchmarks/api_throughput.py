@@ -3,14 +3,17 @@ the engine core costs nothing.
 
 A stand-in core (`run_fake_core`, same process entry point and messages as the real one)
 answers every request with one token per "step" for each running request, --output-len
-tokens each, as fast as it can. The API process is the real one (`create_app` over an
-`AsyncEngine` with the multiprocess client, the default model's tokenizer detokenizing every
-token) pinned to CPU 0; the stand-in core and the clients (raw-socket streams, in separate
-processes, see serving_throughput.py) are pinned to the other CPUs, so the figure is what
-one core of API process does. When the clients read slower than tokens arrive, pending
-deltas merge into one event: tokens per event is reported.
+tokens each: as fast as it can, or (--step-ms) one step per interval at most, the regime of
+a GPU-speed engine whose every event carries one token. The API process is the real one
+(`create_app` over an `AsyncEngine` with the multiprocess client, the default model's
+tokenizer detokenizing every token) pinned to CPU 0; the stand-in core and the clients
+(raw-socket streams, in separate processes, see serving_throughput.py) are pinned to the
+other CPUs, so the figure is what one core of API process does. When the clients read
+slower than tokens arrive, pending deltas merge into one event: tokens per event is
+reported.
 
     .venv/bin/python benchmarks/api_throughput.py --concurrency 64 256
+    .venv/bin/python benchmarks/api_throughput.py --concurrency 256 --step-ms 10
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -60,9 +64,11 @@ CPUCLOCK_SCHED = 2
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--prompt-len", type=serving_throughput.length_range, default=(16, 16))
+    parser.add_argument("--output-len", type=serving_throughput.length_range, default=(256, 256))
     parser.add_argument("--client-procs", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="the stand-in core's least time per step (0: no pause)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", type=Path, default=None)
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
@@ -79,9 +85,11 @@ def run_fake_core(
     output_address: str,
     num_threads: int | None,
     parent_pid: int,
+    step_s: float = 0.0,
 ) -> None:
     """Every step gives each running request its next token (ids cycling through the
-    vocabulary) until its max_tokens; aborts are honoured. No model, no cache."""
+    vocabulary) until its max_tokens; aborts are honoured. A step starts `step_s` after the
+    previous one at the earliest. No model, no cache."""
     os.sched_setaffinity(0, _other_cpus())
     model_config = json.loads((Path(config.model) / "config.json").read_text())
     vocab = model_config["vocab_size"]
@@ -92,6 +100,7 @@ def run_fake_core(
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInputs)
     running: dict[str, tuple[EngineCoreRequest, int]] = {}
     added = 0
+    next_step = time.perf_counter()
 
     def stats() -> EngineStats:
         return EngineStats(
@@ -114,6 +123,10 @@ def run_fake_core(
             if os.getppid() != parent_pid:
                 return
             continue
+        wait = next_step - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        next_step = time.perf_counter() + step_s
         step: list[EngineCoreOutput] = []
         for request_id, (request, done) in list(running.items()):
             params = request.params
@@ -137,7 +150,7 @@ def _other_cpus() -> set[int]:
 # -- the API process -------------------------------------------------------------------------------
 
 
-def serve(port: int, model: Path, max_num_seqs: int) -> None:
+def serve(port: int, model: Path, max_num_seqs: int, step_ms: float) -> None:
     """The real API process over the stand-in core, pinned to API_CPU."""
     import torch
     import uvicorn
@@ -152,7 +165,8 @@ def serve(port: int, model: Path, max_num_seqs: int) -> None:
     config = EngineConfig(
         model=str(model), load_format="dummy", device="cpu", max_num_seqs=max_num_seqs
     )
-    client = MultiprocessCoreClient(config, None, target=run_fake_core)
+    core = functools.partial(run_fake_core, step_s=step_ms / 1000)
+    client = MultiprocessCoreClient(config, None, target=core)
     os.sched_setaffinity(0, {API_CPU})  # after the spawn: the core chose its own CPUs
     engine = AsyncEngine(client, load_tokenizer(str(model), "auto"), max_num_waiting=4096)
     app = create_app(engine, ServerConfig(served_model_name=serving_throughput.MODEL_NAME))
@@ -172,9 +186,10 @@ def process_cpu_seconds(pid: int) -> float:
 def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int) -> dict:
     port = free_port()
     cmd = [sys.executable, __file__, "--serve", str(port), "--model", str(model)]
+    cmd += ["--step-ms", str(args.step_ms)]
     with running_server(cmd + ["--concurrency", str(concurrency)], port) as server:
         run = argparse.Namespace(**{**vars(args), "num_requests": concurrency})
-        bodies = serving_throughput.bodies(serving_throughput.make_prompts(run, vocab), run)
+        bodies = serving_throughput.bodies(serving_throughput.make_requests(run, vocab))
         run_clients(port, bodies[:2], 1, _other_cpus())  # warm-up
         cpu_before = process_cpu_seconds(server.pid)
         result = run_clients(port, bodies, args.client_procs, _other_cpus())
@@ -187,14 +202,15 @@ def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int)
         **result,
         "api_cpu_s": api_cpu,
         "api_cpu_us_per_token": api_cpu / tokens * 1e6 if tokens else None,
-        "tokens_per_event": tokens / max(result["events"], 1),
+        # Every stream ends with its usage event and [DONE]: the others carry tokens.
+        "tokens_per_event": tokens / max(result["events"] - 2 * concurrency, 1),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve is not None:
-        serve(args.serve, args.model, max(args.concurrency))
+        serve(args.serve, args.model, max(args.concurrency), args.step_ms)
         return 0
     if len(os.sched_getaffinity(0)) < 2:
         print("needs at least 2 CPUs: one for the API process, one for the rest")
@@ -218,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "commit": git_commit(Path(__file__).resolve().parents[1]),
-        "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len},
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "step_ms": args.step_ms,
+        },
         "runs": runs,
     }
     if args.result_file is not None:

@@ -1,20 +1,22 @@
 """How much of the engine's offline throughput `octavo serve` keeps, on the same requests.
 
 Workload: --num-requests token-id prompts of --prompt-len random ids (random.Random(seed)),
-each generating exactly --output-len tokens (greedy, EOS ignored). The model is a GPT-2 of
---layers x --hidden with random weights (--load-format dummy: config.json only) and the
-embedded default model's tokenizer (its vocabulary sets the model's), so the server really
-detokenizes every token.
+each generating exactly --output-len tokens (greedy, EOS ignored); a length given as MIN-MAX
+is drawn per request. The model is a GPT-2 of --layers x --hidden with random weights
+(--load-format dummy: config.json only) and the embedded default model's tokenizer (its
+vocabulary sets the model's), so the server really detokenizes every token. `--preset
+gpu-speed` is the regime a GPU makes: a near-zero-compute model (1 layer, 16 wide), 256
+streams of short prompts, one token per stream per step.
 
   1. offline  `LLM.generate` on all requests at once in this process (default torch threads).
-  2. served   `octavo serve` (one run per --modes entry: `multiprocess` is the default server,
-              engine core in its own process; `inprocess` adds --inprocess-engine), all
-              requests sent at once as streams (`stream_options.include_usage`), read by
-              --client-procs processes with a raw-socket client that parses no event but the
-              last usage one, so the client stays light. Each client process reports its CPU
-              time: if the clients used a large share of a core, the figure is client-bound.
-              --before-root DIR also serves from another checkout of Octavo (an older
-              commit) with the same flags, for a before/after in one run.
+  2. served   `octavo serve`, one run per --modes entry (MODES: the default server, streamed;
+              --inprocess-engine; unstreamed; --stream-interval 8; two API servers), all
+              requests sent at once (streams ask for `stream_options.include_usage`), read by
+              --client-procs processes with a raw-socket client that parses nothing but the
+              usage, so the client stays light. Each client process reports its CPU time: if
+              the clients used a large share of a core, the figure is client-bound.
+              --before-root DIR also serves --before-modes from another checkout of Octavo
+              (an older commit) with the same flags, for a before/after in one run.
 
 Each system runs the whole workload once untimed, then --repeats times; the median run is
 reported, with every run's figure. Throughput = completion tokens (from the usage events;
@@ -22,8 +24,8 @@ exactly num_requests x output_len when nothing failed) / wall time from the firs
 sent to the last stream's end.
 
     .venv/bin/python benchmarks/serving_throughput.py --layers 6 --hidden 512
-    .venv/bin/python benchmarks/serving_throughput.py --layers 1 --hidden 16 --heads 1 \
-        --num-requests 256
+    .venv/bin/python benchmarks/serving_throughput.py --preset gpu-speed \
+        --modes streamed interval8 unstreamed api2 --before-root /tmp/before
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -54,28 +56,60 @@ from octavo.server.cli import DEFAULT_MODEL
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_NAME = "bench"
+# Served configurations: `octavo serve` flags, and whether the requests stream.
+MODES: dict[str, tuple[list[str], bool]] = {
+    "streamed": ([], True),
+    "inprocess": (["--inprocess-engine"], True),
+    "unstreamed": ([], False),
+    "interval8": (["--stream-interval", "8"], True),
+    "api2": (["--api-server-count", "2"], True),
+}
+# Flag defaults a preset replaces (flags given on the command line still win).
+PRESETS = {
+    "gpu-speed": {
+        "layers": 1, "hidden": 16, "heads": 1, "num_requests": 256,
+        "prompt_len": (16, 32), "output_len": (64, 128),
+    },
+}  # fmt: skip
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """A length, "N", or a range to draw each request's from, "MIN-MAX" (inclusive)."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX: {text}")
+    return bounds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prompt-len", type=length_range, default=(128, 128))
+    parser.add_argument("--output-len", type=length_range, default=(64, 64))
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", default=["multiprocess", "inprocess"])
+    parser.add_argument("--modes", nargs="+", choices=list(MODES),
+                        default=["streamed", "inprocess"])  # fmt: skip
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `octavo serve` flags (last on the line)")  # fmt: skip
     parser.add_argument("--before-root", type=Path, default=None,
                         help="an older Octavo checkout to serve from too")  # fmt: skip
+    parser.add_argument("--before-modes", nargs="+", choices=list(MODES),
+                        default=["streamed", "unstreamed"],
+                        help="the --modes the older checkout serves")  # fmt: skip
     parser.add_argument("--client-procs", type=int, default=1)
     parser.add_argument("--server-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="environment of the served runs only")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", type=Path, default=None)
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])
     return parser.parse_args(argv)
 
 
@@ -88,7 +122,7 @@ def write_model(folder: Path, args: argparse.Namespace) -> int:
     config = {
         "model_type": "gpt2",
         "vocab_size": vocab,
-        "n_positions": args.prompt_len + args.output_len,
+        "n_positions": args.prompt_len[1] + args.output_len[1],
         "n_embd": args.hidden,
         "n_layer": args.layers,
         "n_head": args.heads,
@@ -101,11 +135,14 @@ def write_model(folder: Path, args: argparse.Namespace) -> int:
     return vocab
 
 
-def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) per request, drawn from random.Random(args.seed)."""
     rng = random.Random(args.seed)
-    return [
-        [rng.randrange(vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
-    ]
+    requests = []
+    for _ in range(args.num_requests):
+        prompt_len, output_len = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
+        requests.append(([rng.randrange(vocab - 1) for _ in range(prompt_len)], output_len))
+    return requests
 
 
 def engine_flags(args: argparse.Namespace) -> dict:
@@ -113,14 +150,20 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "load_format": "dummy",
         "device": "cpu",
         "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": max(2048, args.prompt_len),
+        "max_num_batched_tokens": max(2048, args.prompt_len[1]),
     }
 
 
-def run_offline(model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def run_offline(
+    model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
+) -> dict:
     """--repeats timed runs of the whole workload after one untimed one; the median run."""
     llm = LLM(str(model), **engine_flags(args))
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    prompts = [prompt for prompt, _ in requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        for _, output_len in requests
+    ]
     runs = []
     for _ in range(args.repeats + 1):
         start = time.perf_counter()
@@ -141,26 +184,30 @@ def median_run(runs: list[dict]) -> dict:
 # -- the server ----------------------------------------------------------------------------------
 
 
-def bodies(prompts: list[list[int]], args: argparse.Namespace) -> list[bytes]:
-    """The streamed completion requests, usage included (it carries the token count)."""
+def bodies(requests: list[tuple[list[int], int]], stream: bool = True) -> list[bytes]:
+    """The completion requests; a stream asks for its usage (it carries the token count)."""
+    streaming = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     return [
         json.dumps(
             {
                 "model": MODEL_NAME,
                 "prompt": prompt,
-                "max_tokens": args.output_len,
+                "max_tokens": output_len,
                 "temperature": 0,
                 "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
+                **streaming,
             }
         ).encode()
-        for prompt in prompts
+        for prompt, output_len in requests
     ]
 
 
 def run_served(
-    model: Path, prompts: list[list[int]], args: argparse.Namespace, root: Path, extra: list[str]
+    model: Path,
+    requests: list[tuple[list[int], int]],
+    args: argparse.Namespace,
+    root: Path,
+    mode: str,
 ) -> dict:
     port = free_port()
     flags = engine_flags(args)
@@ -169,14 +216,15 @@ def run_served(
     cmd += ["--load-format", "dummy", "--device", "cpu"]
     cmd += ["--max-num-seqs", str(flags["max_num_seqs"])]
     cmd += ["--max-num-batched-tokens", str(flags["max_num_batched_tokens"])]
-    cmd += ["--max-num-waiting", str(max(1024, len(prompts))), *extra, *args.server_args]
+    extra, stream = MODES[mode]
+    cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]
     env = dict(os.environ, PYTHONPATH=str(root))
     env.update(item.split("=", 1) for item in args.server_env)
     with running_server(cmd, port, cwd=root, env=env):
-        requests = bodies(prompts, args)
-        run_clients(port, requests)  # warm-up: the whole workload once, untimed
+        sent = bodies(requests, stream)
+        run_clients(port, sent)  # warm-up: the whole workload once, untimed
         result = median_run(
-            [run_clients(port, requests, args.client_procs) for _ in range(args.repeats)]
+            [run_clients(port, sent, args.client_procs) for _ in range(args.repeats)]
         )
     result["command"] = " ".join(cmd[1:])
     return result
@@ -188,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         vocab = write_model(model, args)
-        prompts = make_prompts(args, vocab)
+        requests = make_requests(args, vocab)
         result: dict = {
             "benchmark": "serving_throughput",
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -196,22 +244,23 @@ def main(argv: list[str] | None = None) -> int:
             "commit": git_commit(here),
             "workload": {
                 "model": f"{args.layers}x{args.hidden} GPT-2, vocab {vocab}, dummy weights",
+                "preset": args.preset,
                 "num_requests": args.num_requests,
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "client_procs": args.client_procs,
             },
-            "offline": run_offline(model, prompts, args),
+            "offline": run_offline(model, requests, args),
             "served": {},
         }
         offline = result["offline"]["tokens_per_s"]
         print(f"offline LLM.generate: {offline:,.0f} tok/s")
         runs = [(mode, here, mode) for mode in args.modes]
         if args.before_root is not None:
-            runs.append((f"before@{git_commit(args.before_root)}", args.before_root, "before"))
+            before = f"before@{git_commit(args.before_root)}"
+            runs += [(f"{before} {mode}", args.before_root, mode) for mode in args.before_modes]
         for name, root, mode in runs:
-            extra = ["--inprocess-engine"] if mode == "inprocess" else []
-            served = run_served(model, prompts, args, root, extra)
+            served = run_served(model, requests, args, root, mode)
             served["kept_of_offline"] = served["tokens_per_s"] / offline
             result["served"][name] = served
             print(

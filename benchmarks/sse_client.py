@@ -1,8 +1,9 @@
 """A load client light enough not to be the bottleneck: raw sockets, no JSON but the usage.
 
-Streams prebuilt completion requests all at once from separate processes (stdlib only, so a
+Sends prebuilt completion requests all at once from separate processes (stdlib only, so a
 spawned client starts in milliseconds), reads each response to the end, counts its SSE
-events, and parses only the final usage event for the token count. Each process reports its
+events (a stream) or checks its status (a plain JSON response), and parses only the usage
+for the token count. Each process reports its
 CPU time, so a caller can tell whether the clients could have limited the figure.
 """
 
@@ -61,9 +62,9 @@ def running_server(cmd: list[str], port: int, **popen: object) -> Iterator[subpr
 
 
 async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, int]:
-    """One streamed completion: (completion tokens from the usage event, whether the stream
-    ended with [DONE] and no error, the number of events, seconds to the first event, prompt
-    tokens found in the prefix cache)."""
+    """One completion: (completion tokens from the usage, whether it succeeded (a stream:
+    ended with [DONE] and no error; else status 200), the number of events (0 unstreamed),
+    seconds to the first event or the response, prompt tokens found in the prefix cache)."""
     sent = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = (
@@ -74,15 +75,19 @@ async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, in
     writer.write(head.encode() + body)
     await writer.drain()
     data = b""
-    while b"data: " not in data:  # the head, then the first event
-        chunk = await reader.read(1 << 16)
+    while b"\r\n\r\n" not in data or (b"event-stream" in data and b"data: " not in data):
+        chunk = await reader.read(1 << 16)  # the head, then a stream's first event
         if not chunk:
             break
         data += chunk
     ttft = time.perf_counter() - sent
-    data += await reader.read()  # until the server closes: the whole chunked SSE body
+    data += await reader.read()  # until the server closes: the whole body
     writer.close()
-    done = b"data: [DONE]" in data and b'data: {"error"' not in data
+    head = data[: data.find(b"\r\n\r\n")]
+    if b"text/event-stream" in head:
+        done = b"data: [DONE]" in data and b'data: {"error"' not in data
+    else:
+        done = head.startswith(b"HTTP/1.1 200")
     events = data.count(b"data: ")
     usage_at = data.rfind(b'"usage":{')
     if usage_at < 0:

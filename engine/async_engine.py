@@ -87,13 +87,21 @@ class AsyncEngine:
     into one output (`_OutputStream`).
     """
 
-    def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer | None, max_num_waiting: int):
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        tokenizer: Tokenizer | None,
+        max_num_waiting: int,
+        stream_interval: int = 1,
+    ):
+        """`stream_interval`: a stream's outputs after its first come every this many tokens
+        (and at its finish); see OutputProcessor."""
         if max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be >= 1, got {max_num_waiting}")
         self.client = client
         self.max_num_waiting = max_num_waiting
         self.input_processor = InputProcessor(tokenizer, client.limits)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self._streams: dict[str, _OutputStream] = {}
         self._stats = client.initial_stats
         self._num_requests_sent = client.initial_stats.num_requests_added
@@ -112,13 +120,15 @@ class AsyncEngine:
         """The core in a process of its own with `core_threads` torch threads; returns once
         it is up (ValueError with the core's message if it could not start)."""
         client = MultiprocessCoreClient(config, core_threads)
-        return cls(client, load_tokenizer(config.model, config.load_format), max_num_waiting)
+        tokenizer = load_tokenizer(config.model, config.load_format)
+        return cls(client, tokenizer, max_num_waiting, config.stream_interval)
 
     @classmethod
     def in_process(cls, config: EngineConfig, max_num_waiting: int) -> AsyncEngine:
         """The core in a thread of this process (`client.core` is reachable)."""
         client = InprocessCoreClient(EngineCore(config))
-        return cls(client, load_tokenizer(config.model, config.load_format), max_num_waiting)
+        tokenizer = load_tokenizer(config.model, config.load_format)
+        return cls(client, tokenizer, max_num_waiting, config.stream_interval)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

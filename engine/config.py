@@ -83,6 +83,12 @@ class EngineConfig:
                   "where it was measured faster, and off on CPU, where the forward leaves "
                   "nothing to overlap"},
     )  # fmt: skip
+    stream_interval: int = field(
+        default=1,
+        metadata={"help": "a stream's first token is sent at once, then one event per this "
+                  "many tokens of the stream (its finish flushes): fewer, larger events cost "
+                  "the server less CPU per token"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -103,6 +109,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.load_format not in _LOAD_FORMATS:

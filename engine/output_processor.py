@@ -8,6 +8,10 @@ a match finishes the sample at once (a token the core computed past it is discar
 the core to stop it (`SampleAbort`). While a sample runs, the last `max(len(stop)) - 1`
 characters of its text are held back, since a later token may complete a stop string that
 must never reach the client.
+
+A stream (DELTA) may ask for fewer, larger outputs: with `stream_interval` N a sample's first
+token comes out at once, then once N more tokens have gathered, and its finish flushes what
+is left (vLLM's --stream-interval). The deltas concatenate to the same output either way.
 """
 
 from __future__ import annotations
@@ -100,8 +104,11 @@ class OutputProcessor:
     """Holds the front-end state of every unfinished request; not thread-safe (one owner:
     the offline engine, or the AsyncEngine's event loop)."""
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._requests: dict[str, _RequestState] = {}
 
     def add_request(
@@ -198,6 +205,8 @@ class OutputProcessor:
         kind = state.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if kind is RequestOutputKind.DELTA:
+            progressed = [s for s in progressed if self._due(s)]
         if not progressed and not finished:
             return None
         if kind is RequestOutputKind.DELTA:
@@ -290,6 +299,15 @@ class OutputProcessor:
             sample.finish_reason = delta.finish_reason
             sample.stop_reason = delta.stop_reason
             sample.detokenizer.flush(_without_stop_token(sample, params))
+
+    def _due(self, sample: _SampleState) -> bool:
+        """Whether a stream's sample that progressed is sent now: its first tokens, its
+        finish, or `stream_interval` tokens since it was last sent."""
+        return (
+            sample.finish_reason is not None
+            or sample.sent_tokens == 0
+            or len(sample.token_ids) - sample.sent_tokens >= self.stream_interval
+        )
 
     def _end_unfinished(self, state: _RequestState, error: str | None) -> list[_SampleState]:
         """Gives every sample still open at the request's end (never started: a request

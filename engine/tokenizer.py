@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 import tokenizers
@@ -31,6 +32,7 @@ class Tokenizer:
         self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
         self._byte_alphabet = _byte_level_alphabet() if byte_level else None
+        self._byte_level_tables: dict[bool, tuple[bytes, ...]] = {}
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -65,30 +67,70 @@ class Tokenizer:
         """The `tokenizers` object itself (for its streaming decoder)."""
         return self._tokenizer
 
+    def byte_level_table(self, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
+        """For a byte-level BPE decoder (GPT-2's), the bytes each token id decodes to, as
+        the decoder itself makes them: a token whose characters are all in the byte
+        alphabet stands for their bytes, any other for its text's UTF-8 (an added token
+        included); a special token is empty when skipped. A decode is then the table's
+        bytes laid end to end, read as UTF-8 with replacement characters, which is how the
+        decoder ends too. None for any other decoder."""
+        alphabet = self._byte_alphabet
+        if alphabet is None:
+            return None
+        if skip_special_tokens in self._byte_level_tables:
+            return self._byte_level_tables[skip_special_tokens]
+        special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        table = []
+        for token_id in range(self._tokenizer.get_vocab_size(with_added_tokens=True)):
+            piece = self._tokenizer.id_to_token(token_id)
+            if piece is None or (skip_special_tokens and token_id in special):
+                table.append(b"")
+            elif all(c in alphabet for c in piece):
+                table.append(bytes(alphabet[c] for c in piece))
+            else:
+                table.append(piece.encode())
+        self._byte_level_tables[skip_special_tokens] = tuple(table)
+        return self._byte_level_tables[skip_special_tokens]
+
 
 class IncrementalDetokenizer:
-    """Turns a growing list of output token ids into text, one delta per new token.
+    """Turns a growing list of output token ids into text, one delta per step.
 
     A delta never ends inside a UTF-8 character: while the newest tokens decode to an
     incomplete character, nothing is emitted and the bytes wait for the token that completes
-    them. The deltas concatenate to `text`, the decode of all output tokens. Each token costs
-    one step of the tokenizer's own streaming decoder (tokenizers' DecodeStream, in Rust),
-    never a decode of the whole output. Without a tokenizer (dummy weights and token-id
-    prompts) the text stays empty.
+    them. The deltas concatenate to `text`, the decode of all output tokens. A byte-level
+    tokenizer's tokens cost a table lookup each and one incremental UTF-8 decode per step
+    (`Tokenizer.byte_level_table`); any other tokenizer's a step of its own streaming decoder
+    (tokenizers' DecodeStream, in Rust), several times dearer. Neither decodes the whole
+    output again. Without a tokenizer (dummy weights and token-id prompts) the text stays
+    empty.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         self.text = ""
         self._num_consumed = 0
-        self._num_held = 0  # trailing consumed tokens whose text has not come out yet
+        self._table = None if tokenizer is None else tokenizer.byte_level_table(skip_special_tokens)
+        if self._table is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        else:
+            self._stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+            self._num_held = 0  # trailing consumed tokens whose text has not come out yet
 
     def step(self, output_token_ids: list[int]) -> str:
         """Consumes the newest token(s) of `output_token_ids`; returns the new complete text."""
         if self._tokenizer is None:
             return ""
+        table = self._table
+        if table is not None:
+            size = len(table)
+            new = output_token_ids[self._num_consumed :]
+            self._num_consumed = len(output_token_ids)
+            data = b"".join([table[t] if t < size else b"" for t in new])
+            delta = self._utf8.decode(data)
+            self.text += delta
+            return delta
         chunks = []
         for token_id in output_token_ids[self._num_consumed :]:
             chunk = self._stream.step(self._tokenizer.raw, token_id)
@@ -108,6 +150,10 @@ class IncrementalDetokenizer:
         if self._tokenizer is None:
             return ""
         delta = self.step(output_token_ids)
+        if self._table is not None:
+            tail = self._utf8.decode(b"", final=True)
+            self.text += tail
+            return delta + tail
         if self._num_held:
             held = output_token_ids[len(output_token_ids) - self._num_held :]
             tail = self._tokenizer.decode(held, self._skip_special_tokens)

@@ -165,30 +165,3 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     # vLLM's: the rendered prompt's logprobs when the request set prompt_logprobs.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class ChatDelta(BaseModel):
-    """What a chunk adds to a choice's message: the role in a choice's first chunk, then
-    content."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None

@@ -6,21 +6,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from octavo.engine.errors import ParameterError
 from octavo.engine.outputs import CompletionOutput, RequestOutput
 from octavo.server.chat_protocol import (
     AssistantMessage,
-    ChatChunkChoice,
     ChatCompletionChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatLogprobs,
     TokenLogprob,
     TopLogprob,
@@ -36,6 +32,7 @@ from octavo.server.serving_engine import (
     unless_disconnected,
     usage,
 )
+from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta, jsonable
 from octavo.server.streaming import SSE_DONE, EventStreamResponse, sse_event
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
@@ -48,7 +45,7 @@ class ChatServing(EngineServing):
 
     async def create(
         self, request: ChatCompletionRequest, raw_request: Request
-    ) -> JSONResponse | StreamingResponse | Response:
+    ) -> JSONResponse | EventStreamResponse | Response:
         """The response to one chat request; a non-streaming request whose client
         disconnects is aborted like a stream whose client left."""
         template = self.config.chat_template
@@ -167,64 +164,72 @@ class ChatServing(EngineServing):
         request: ChatCompletionRequest,
         prompts: list[PromptAndParams],
         streams: list[AsyncIterator[RequestOutput]],
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[bytes, None]:
         """As OpenAI: each choice's first chunk carries the role; then one chunk per delta
         output of a choice (the last with its finish_reason); an optional usage chunk; then
-        [DONE]."""
+        [DONE]. The chunks of one output leave together, as do the usage chunk and [DONE]."""
         created = int(time.time())
-
-        def chunk(choices: list[ChatChunkChoice], **fields: Any) -> str:
-            return sse_event(
-                ChatCompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=self.config.served_model_name,
-                    choices=choices,
-                    **fields,
-                )
-            )
-
+        model = self.config.served_model_name
+        event = self.events.event
         options = request.stream_options
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         prompt_tokens = len(prompts[0][0].token_ids)
         completion_tokens = [0] * request.n
-        for index in range(request.n):
-            role = ChatDelta(role="assistant", content="")
-            yield chunk([ChatChunkChoice(index=index, delta=role)])
+        roles = [
+            ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+            for index in range(request.n)
+        ]
+        yield b"".join(
+            event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[r]))
+            for r in roles
+        )
         first = True
         cached_tokens = 0  # prompt tokens found in the prefix cache
         try:
-            async for _, output in self.timed(self.merge(streams)):
+            async for _, output in self.merge(streams):
                 if output.num_cached_tokens is not None:
                     cached_tokens = output.num_cached_tokens
+                events = []
                 for completion in output.outputs:
                     completion_tokens[completion.index] += len(completion.token_ids)
                     choice = ChatChunkChoice(
                         index=completion.index,
                         delta=ChatDelta(content=completion.text),
-                        logprobs=self._logprobs(completion, request),
+                        logprobs=jsonable(self._logprobs(completion, request)),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                     )
-                    fields: dict[str, Any] = {}
+                    chunk = ChatCompletionChunk(
+                        id=request_id, created=created, model=model, choices=[choice]
+                    )
                     if first:  # the prompt's logprobs come once, with the first output
-                        fields["prompt_logprobs"] = self.vllm_prompt_logprobs(output, request)
+                        chunk.prompt_logprobs = jsonable(self.vllm_prompt_logprobs(output, request))
                         first = False
                     if continuous_usage:
                         generated = completion_tokens[completion.index]
-                        fields["usage"] = Usage(
-                            prompt_tokens=prompt_tokens,
-                            completion_tokens=generated,
-                            total_tokens=prompt_tokens + generated,
+                        chunk.usage = jsonable(
+                            Usage(
+                                prompt_tokens=prompt_tokens,
+                                completion_tokens=generated,
+                                total_tokens=prompt_tokens + generated,
+                            )
                         )
-                    yield chunk([choice], **fields)
+                    events.append(event(chunk))
                 if output.finished and output.metrics is not None:
                     self.metrics.observe_finished(output.metrics)
+                if events:
+                    yield b"".join(events)
             if include_usage:
-                yield chunk([], usage=usage(prompts, sum(completion_tokens), cached_tokens))
+                total = usage(prompts, sum(completion_tokens), cached_tokens)
+                chunk = ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=jsonable(total)
+                )
+                yield event(chunk) + SSE_DONE
+                return
         except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
-            yield sse_event(engine_error(exc).body())
+            yield sse_event(engine_error(exc).body()) + SSE_DONE
+            return
         yield SSE_DONE
 
     def _logprobs(

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from octavo.engine.outputs import CompletionOutput, RequestOutput
 from octavo.server.errors import APIError
@@ -26,6 +26,7 @@ from octavo.server.serving_engine import (
     unless_disconnected,
     usage,
 )
+from octavo.server.stream_chunks import CompletionChunk, CompletionChunkChoice, jsonable
 from octavo.server.streaming import SSE_DONE, Delta, EventStreamResponse, sse_event
 
 
@@ -38,7 +39,7 @@ class CompletionServing(EngineServing):
 
     async def create(
         self, request: CompletionRequest, raw_request: Request
-    ) -> JSONResponse | StreamingResponse | Response:
+    ) -> JSONResponse | EventStreamResponse | Response:
         """The response to one completion request. A non-streaming request whose client
         disconnects (`raw_request` says so) is aborted like a stream whose client left."""
         self._check_supported(request)
@@ -120,9 +121,10 @@ class CompletionServing(EngineServing):
         request: CompletionRequest,
         prompts: list[PromptAndParams],
         streams: list[AsyncIterator[RequestOutput]],
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[bytes, None]:
         """One event per delta output of each choice (the engine holds back text that could
-        still turn out to be a stop string), an optional usage event, then [DONE]."""
+        still turn out to be a stop string), an optional usage event, then [DONE]. The
+        events of one output leave together, as do the usage event and [DONE]."""
         # Per choice, where its next token's text starts in its logprobs text (the token
         # texts laid end to end, as in a whole response: held-back text does not shift it).
         text_offsets: dict[int, int] = {}
@@ -133,10 +135,13 @@ class CompletionServing(EngineServing):
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         created = int(time.time())
+        model = self.config.served_model_name
+        event = self.events.event
         try:
-            async for index, output in self.timed(self.merge(streams)):
+            async for index, output in self.merge(streams):
                 if output.num_cached_tokens is not None:
                     cached_tokens[index] = output.num_cached_tokens
+                events = []
                 for completion in output.outputs:
                     choice_index = index * request.n + completion.index
                     first = choice_index not in text_offsets
@@ -148,42 +153,51 @@ class CompletionServing(EngineServing):
                     if request.echo and first:
                         delta = self._with_prompt(output, delta)
                     delta.text_offset = text_offsets.get(choice_index, 0)
-                    choice = self._choice(choice_index, delta, completion, request)
-                    if first:
-                        choice.prompt_logprobs = self.vllm_prompt_logprobs(output, request)
                     text_offsets[choice_index] = delta.text_offset
-                    if choice.logprobs is not None and choice.logprobs.tokens:
-                        text_offsets[choice_index] = choice.logprobs.text_offset[-1] + len(
-                            choice.logprobs.tokens[-1]
+                    choice = CompletionChunkChoice(
+                        index=choice_index,
+                        text=delta.text,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                    if request.logprobs is not None:
+                        logprobs = self._logprobs(delta)
+                        choice.logprobs = jsonable(logprobs)
+                        if logprobs.tokens:
+                            text_offsets[choice_index] = logprobs.text_offset[-1] + len(
+                                logprobs.tokens[-1]
+                            )
+                    if first:
+                        choice.prompt_logprobs = jsonable(
+                            self.vllm_prompt_logprobs(output, request)
                         )
-                    chunk = CompletionResponse(
-                        id=request_id,
-                        created=created,
-                        model=self.config.served_model_name,
-                        choices=[choice],
+                    chunk = CompletionChunk(
+                        id=request_id, created=created, model=model, choices=[choice]
                     )
                     if continuous_usage:
                         prompt_tokens = len(output.prompt_token_ids)
-                        chunk.usage = Usage(
-                            prompt_tokens=prompt_tokens,
-                            completion_tokens=choice_tokens[choice_index],
-                            total_tokens=prompt_tokens + choice_tokens[choice_index],
+                        chunk.usage = jsonable(
+                            Usage(
+                                prompt_tokens=prompt_tokens,
+                                completion_tokens=choice_tokens[choice_index],
+                                total_tokens=prompt_tokens + choice_tokens[choice_index],
+                            )
                         )
-                    yield sse_event(chunk)
+                    events.append(event(chunk))
                 if output.finished and output.metrics is not None:
                     self.metrics.observe_finished(output.metrics)
+                if events:
+                    yield b"".join(events)
             if include_usage:
-                yield sse_event(
-                    CompletionResponse(
-                        id=request_id,
-                        created=created,
-                        model=self.config.served_model_name,
-                        choices=[],
-                        usage=usage(prompts, completion_tokens, sum(cached_tokens.values())),
-                    )
+                total = usage(prompts, completion_tokens, sum(cached_tokens.values()))
+                chunk = CompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=jsonable(total)
                 )
+                yield event(chunk) + SSE_DONE
+                return
         except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
-            yield sse_event(engine_error(exc).body())
+            yield sse_event(engine_error(exc).body()) + SSE_DONE
+            return
         yield SSE_DONE
 
     @staticmethod

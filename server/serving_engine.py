@@ -28,6 +28,7 @@ from octavo.engine.tokenizer import Tokenizer
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
+from octavo.server.stream_chunks import EventEncoder
 
 if TYPE_CHECKING:
     from octavo.server.chat_template import ChatTemplate
@@ -60,7 +61,7 @@ class ServerConfig:
 class EngineServing:
     """The steps of a generating route around the AsyncEngine: check a request
     (`check_request`), turn each prompt into engine inputs (`process`), queue them
-    (`submit`), read their outputs as they arrive (`merge`, `timed`). Everything a client
+    (`submit`), read their outputs as they arrive (`merge`). Everything a client
     can get wrong is an APIError (400/404/503) before any engine request is queued, or, if
     the queue fills midway, after the ones already queued are aborted."""
 
@@ -70,6 +71,7 @@ class EngineServing:
         self.metrics = metrics
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.events = EventEncoder()
 
     # -- validation --------------------------------------------------------------------------
 
@@ -211,26 +213,20 @@ class EngineServing:
 
     # -- outputs -----------------------------------------------------------------------------
 
-    async def timed(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Observes the inter-token latency of each request as its outputs arrive."""
-        last: dict[int, float] = {}
-        async for index, output in outputs:
-            now = time.monotonic()
-            if index in last:
-                self.metrics.itl.observe(now - last[index])
-            last[index] = now
-            yield index, output
-
-    @staticmethod
     async def merge(
-        streams: list[AsyncIterator[RequestOutput]],
+        self, streams: list[AsyncIterator[RequestOutput]]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Interleaves several output streams as outputs arrive; closing this generator
-        (a client that went away) cancels them all, which aborts their requests."""
-        if len(streams) == 1:
+        """Interleaves several output streams as outputs arrive, observing each one's
+        inter-token latency; closing this generator (a client that went away) cancels them
+        all, which aborts their requests."""
+        last: dict[int, float] = {}
+        itl = self.metrics.itl
+        if len(streams) == 1:  # the common case, without a task per stream
             async for output in streams[0]:
+                now = time.monotonic()
+                if last:
+                    itl.observe(now - last[0])
+                last[0] = now
                 yield 0, output
             return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -254,6 +250,10 @@ class EngineServing:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    now = time.monotonic()
+                    if index in last:
+                        itl.observe(now - last[index])
+                    last[index] = now
                     yield index, item
         finally:
             for task in tasks:

@@ -140,8 +140,8 @@ async def _body(stream: DeploymentResponseGenerator, sse: bool) -> AsyncIterator
     except RayError as exc:
         logger.warning("replica failed mid-response: %s", exc)
         if sse:
-            yield sse_event(_replica_failed(exc).body()).encode()
-            yield SSE_DONE.encode()
+            yield sse_event(_replica_failed(exc).body())
+            yield SSE_DONE
     finally:
         stream.cancel()
 

@@ -18,16 +18,21 @@ def run(script: str, result_file: Path, *args: str) -> dict:
     return json.loads(result_file.read_text())
 
 
-def test_serving_throughput_serves_every_token_offline_and_in_both_modes(tmp_path):
+def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_path):
     result = run(
         "serving_throughput.py", tmp_path / "s.json", *TINY,
-        "--num-requests", "6", "--prompt-len", "8", "--output-len", "5", "--repeats", "1",
+        "--num-requests", "6", "--prompt-len", "4-8", "--output-len", "5-9", "--repeats", "1",
+        "--modes", "streamed", "inprocess", "unstreamed", "interval8",
     )  # fmt: skip
-    assert result["offline"]["completion_tokens"] == 30
-    assert set(result["served"]) == {"multiprocess", "inprocess"}
-    for served in result["served"].values():
-        assert served["failed"] == 0 and served["completion_tokens"] == 30
-        assert served["events"] >= 6 and served["kept_of_offline"] > 0
+    tokens = result["offline"]["completion_tokens"]
+    assert 6 * 5 <= tokens <= 6 * 9  # each request's length drawn from 5-9
+    assert set(result["served"]) == {"streamed", "inprocess", "unstreamed", "interval8"}
+    for mode, served in result["served"].items():
+        assert served["failed"] == 0 and served["completion_tokens"] == tokens, mode
+        assert served["kept_of_offline"] > 0
+    assert result["served"]["unstreamed"]["events"] == 0
+    # Per stream at interval 8: the first token, the rest (at most 8), usage and [DONE].
+    assert 3 * 6 <= result["served"]["interval8"]["events"] <= 4 * 6
 
 
 def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):

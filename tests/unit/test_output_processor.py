@@ -2,6 +2,8 @@
 tokens too), the holdback of possible stop-string prefixes, discarded tokens past a stop, and
 delta outputs that concatenate to the final output."""
 
+import copy
+
 import pytest
 
 from octavo.engine.core_messages import EngineCoreOutput, SampleAbort, SampleDelta
@@ -22,11 +24,11 @@ def tokenizer():
     return Tokenizer(tokenizers.Tokenizer.from_str(tokenizer_json(512)))
 
 
-def run(tokenizer, text, kind=DELTA, stop_token_ids=(), **params):
+def run(tokenizer, text, kind=DELTA, stop_token_ids=(), stream_interval=1, **params):
     """Feeds `text`'s tokens one core step at a time, finishing on a stop token as the core
     would; returns the outputs, the sample aborts asked for and the processor."""
     ids = tokenizer.encode(text)
-    processor = OutputProcessor(tokenizer)
+    processor = OutputProcessor(tokenizer, stream_interval)
     sampling = SamplingParams(
         max_tokens=len(ids), output_kind=kind, stop_token_ids=list(stop_token_ids), **params
     )
@@ -176,3 +178,53 @@ def test_a_final_only_request_decodes_once_at_its_end_to_the_streamed_text(token
         streamed = run(tokenizer, TEXT, DELTA, **stop)[0]
         assert whole.outputs[0].text == streamed_text(streamed)
         assert whole.outputs[0].token_ids == ids[: ids.index(ids[num_tokens]) + 1]
+
+
+@pytest.mark.parametrize("interval", [2, 3, 8])
+@pytest.mark.parametrize("stop", [None, "日本", " and 🎉", "never appears"])
+def test_a_stream_interval_sends_fewer_outputs_that_concatenate_to_the_same(
+    tokenizer, interval, stop
+):
+    """vLLM's --stream-interval: the first token at once, then every `interval` tokens, the
+    finish flushing the rest; text (stop strings split across tokens cut the same), token ids
+    and logprobs are those of one output per token."""
+    params = {"stop": [stop]} if stop else {}
+    every, _, _ = run(tokenizer, TEXT, logprobs=1, **params)
+    batched, aborts, _ = run(tokenizer, TEXT, stream_interval=interval, logprobs=1, **params)
+    for field in ("text", "token_ids", "logprobs"):
+        assert [getattr(c, field) for c in merged_outputs(batched)] == [
+            getattr(c, field) for c in merged_outputs(every)
+        ]
+    assert batched[-1].finished and not any(o.finished for o in batched[:-1])
+    sizes = [len(o.outputs[0].token_ids) for o in batched]
+    assert sizes[0] == 1  # the first token is never held back
+    assert all(size == interval for size in sizes[1:-1])
+    assert 1 <= sizes[-1] <= interval or len(batched) == 1
+    assert len(batched) < len(every)
+
+
+def test_a_stream_interval_holds_each_sample_on_its_own(tokenizer):
+    """n = 2: each sample's first token goes at once, then every `interval` of its tokens."""
+    processor = OutputProcessor(tokenizer, stream_interval=3)
+    processor.add_request("r", None, [1], SamplingParams(n=2, max_tokens=8, output_kind=DELTA), 0.0)
+    sent: dict[int, list[int]] = {0: [], 1: []}
+    sizes: dict[int, list[int]] = {0: [], 1: []}
+    for step in range(7):  # sample 1 starts a step late and ends with sample 0
+        deltas = [SampleDelta(0, [10 + step], -1.0, None, "length" if step == 6 else None)]
+        if step >= 1:
+            deltas.append(SampleDelta(1, [20 + step], -1.0, None, "length" if step == 6 else None))
+        for output in processor.process([EngineCoreOutput("r", deltas)]).request_outputs:
+            for completion in output.outputs:
+                sent[completion.index] += completion.token_ids
+                sizes[completion.index].append(len(completion.token_ids))
+    assert sent == {0: [10 + i for i in range(7)], 1: [20 + i for i in range(1, 7)]}
+    assert sizes == {0: [1, 3, 3], 1: [1, 3, 2]}
+
+
+def merged_outputs(outputs: list[RequestOutput]):
+    """A stream's delta outputs merged into one output's completions (on copies: merging
+    extends the completions it takes in)."""
+    merged = RequestOutput(outputs[0].request_id, None, [], [], False)
+    for output in copy.deepcopy(outputs):
+        merged.add(output)
+    return merged.outputs

@@ -1,6 +1,27 @@
-"""SSE framing: one data line per event, [DONE] last."""
+"""SSE framing and the streamed chunks: one data line per event, [DONE] last, and every chunk
+encoded exactly as the pydantic shape of the same response would be."""
 
-from octavo.server.protocol import CompletionChoice, CompletionResponse
+import json
+
+import pytest
+
+from octavo.server.protocol import (
+    CompletionChoice,
+    CompletionResponse,
+    Logprobs,
+    PromptLogprob,
+    PromptTokensDetails,
+    Usage,
+)
+from octavo.server.stream_chunks import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChunk,
+    CompletionChunkChoice,
+    EventEncoder,
+    jsonable,
+)
 from octavo.server.streaming import SSE_DONE, sse_event
 
 
@@ -9,6 +30,70 @@ def test_sse_event_is_one_data_line_and_a_blank_line():
         id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text="a\nb")]
     )
     event = sse_event(chunk)
-    assert event.startswith("data: {") and event.endswith("}\n\n")
-    assert event.count("\n") == 2  # the newline inside the text is JSON-escaped
-    assert SSE_DONE == "data: [DONE]\n\n"
+    assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
+    assert event.count(b"\n") == 2  # the newline inside the text is JSON-escaped
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+LOGPROBS = Logprobs(
+    tokens=[" a", "é"],
+    token_logprobs=[-0.5, None],
+    top_logprobs=[{" a": -0.5, " b": -1.5}, None],
+    text_offset=[0, 2],
+)
+PROMPT_LOGPROBS = [None, {"7": PromptLogprob(logprob=-2.0, rank=3, decoded_token="x")}]
+USAGE = Usage(
+    prompt_tokens=3,
+    completion_tokens=2,
+    total_tokens=5,
+    prompt_tokens_details=PromptTokensDetails(cached_tokens=1),
+)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"text": ' plain "quoted"\n\u2028 text', "finish_reason": None},
+        {"text": "", "finish_reason": "stop", "stop_reason": "\n\n"},
+        {"text": "x", "finish_reason": "length", "stop_reason": 50256, "logprobs": LOGPROBS},
+        {"text": "y", "prompt_logprobs": PROMPT_LOGPROBS},
+    ],
+)
+@pytest.mark.parametrize("usage", [None, USAGE])
+def test_a_completion_chunk_encodes_as_the_completion_response_does(fields, usage):
+    """The oracle: pydantic's JSON of CompletionResponse, the non-streamed response's model,
+    for the same content; a field added to one shape and not the other fails here."""
+    choice = CompletionChoice(index=2, **fields)
+    expected = CompletionResponse(id="cmpl-9", created=7, model="m", choices=[choice], usage=usage)
+    struct_choice = CompletionChunkChoice(
+        index=2, **{k: jsonable(v) if k.endswith("logprobs") else v for k, v in fields.items()}
+    )
+    chunk = CompletionChunk(
+        id="cmpl-9", created=7, model="m", choices=[struct_choice], usage=jsonable(usage)
+    )
+    event = EventEncoder().event(chunk)
+    assert event == sse_event(expected)
+
+
+def test_a_chat_chunk_has_openais_chat_completion_chunk_shape():
+    """Against the official openai client's type of a chat stream chunk."""
+    from openai.types.chat import ChatCompletionChunk as OpenAIChunk
+
+    chunk = ChatCompletionChunk(
+        id="chatcmpl-1",
+        created=7,
+        model="m",
+        choices=[ChatChunkChoice(index=0, delta=ChatDelta(content="hi"), finish_reason="stop")],
+        usage=jsonable(USAGE),
+    )
+    event = EventEncoder().event(chunk)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    data = json.loads(event[len(b"data: ") :])
+    parsed = OpenAIChunk.model_validate(data)
+    assert parsed.object == "chat.completion.chunk"
+    assert parsed.choices[0].delta.content == "hi" and parsed.choices[0].delta.role is None
+    assert parsed.usage is not None and parsed.usage.total_tokens == 5
+    assert set(data) == {
+        "id", "object", "created", "model", "choices", "usage", "system_fingerprint",
+        "prompt_logprobs",
+    }  # fmt: skip
