@@ -44,9 +44,10 @@ class EventStreamResponse(Response):
                 writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
-        finally:
+        finally:  # the writer must be done before its generator can be closed
             writer.cancel()
             listener.cancel()
+            await asyncio.gather(writer, listener, return_exceptions=True)
             await self._events.aclose()
 
     async def _write(self, send: Send) -> None:
