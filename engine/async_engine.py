@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 
 from octavo.engine.config import EngineConfig
@@ -27,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 # After a shutdown aborts what is left, how long aborted streams get to deliver their ends.
 ABORT_DRAIN_SECONDS = 5.0
+# How often a shutdown looks whether the in-flight requests have finished (grace), and then
+# whether the aborted ones' streams have delivered their ends (drain).
+GRACE_POLL_SECONDS = 0.05
+DRAIN_POLL_SECONDS = 0.01
 
 
 class QueueFullError(RuntimeError):
@@ -111,6 +116,7 @@ class AsyncEngine:
         self._accepting = True
         self._dead: BaseException | None = None
         self._shutdown: asyncio.Future[None] | None = None
+        self._grace_deadline = math.inf  # loop time at which a shutdown aborts what is left
         self._fatal_handler: Callable[[BaseException], None] | None = None
 
     @classmethod
@@ -141,24 +147,26 @@ class AsyncEngine:
     async def shutdown(self, grace_seconds: float) -> None:
         """Stops admitting, lets in-flight requests finish for `grace_seconds`, aborts the rest
         (their streams end with finish_reason "abort"), then stops the core. Idempotent:
-        later calls wait for the first one."""
+        later calls wait for the first one, whose grace ends when theirs does if that is sooner
+        (a second Ctrl-C: abort now)."""
+        deadline = asyncio.get_running_loop().time() + grace_seconds
+        self._grace_deadline = min(self._grace_deadline, deadline)
         if self._shutdown is None:
-            self._shutdown = asyncio.ensure_future(self._shutdown_now(grace_seconds))
+            self._shutdown = asyncio.ensure_future(self._shutdown_now())
         await asyncio.shield(self._shutdown)
 
-    async def _shutdown_now(self, grace_seconds: float) -> None:
+    async def _shutdown_now(self) -> None:
         self._accepting = False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_seconds
-        while self._streams and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        while self._streams and loop.time() < self._grace_deadline:
+            await asyncio.sleep(GRACE_POLL_SECONDS)
         for request_id in list(self._streams):
             self.abort(request_id)
         # Consumers receive their "abort" outputs and close their streams; a stream whose
         # consumer never started cannot close, hence the bound.
         deadline = loop.time() + ABORT_DRAIN_SECONDS
         while self._streams and loop.time() < deadline and self._dead is None:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
         self._flush()
         await asyncio.to_thread(self.client.close)
 

@@ -5,6 +5,12 @@ EngineCoreInputs arrive on a PULL socket, and EngineCoreReady, then one EngineCo
 step (or EngineCoreFailed) leave on a PUSH socket. The process owns every CPU thread torch
 uses for the model; the API process keeps its core(s) for HTTP, JSON and detokenization, and
 neither waits on the other's GIL.
+
+Only the API side decides when the core stops: it sends EngineCoreInputs(shutdown=True) once
+its requests are drained, or it is gone (the core notices within PARENT_CHECK_MS). SIGTERM and
+SIGINT are ignored here, whoever sends them, multiprocessing's SIGTERM to daemonic children at
+interpreter exit included: an API process closes its core client before it exits (else that
+exit waits for a core that never stops). SIGKILL still ends the core at once.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_MS = 1000
 # How long the last messages may take to leave when the process ends.
 LINGER_MS = 2000
+# What a terminal (Ctrl-C: SIGINT) and systemd's default KillMode=control-group (SIGTERM) send
+# to every process of the server at once. The API process drains its in-flight requests on
+# them, which needs a live core, and stops the core itself afterwards.
+SERVER_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_engine_core(
@@ -44,9 +54,9 @@ def run_engine_core(
     parent_pid: int,
 ) -> None:
     """The process's entry point (a spawn target); exits 0 on shutdown, 1 on a failure
-    (reported as EngineCoreFailed first)."""
-    # Ctrl-C reaches the whole process group; the API process decides how the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    (reported as EngineCoreFailed first). SIGTERM and SIGINT are ignored (module docstring)."""
+    for signum in SERVER_STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
     )

@@ -7,11 +7,12 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
+import socket
 import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -118,9 +119,6 @@ def _serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.limit_concurrency,
     )
     server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds)
-    # uvicorn re-raises the signal it caught once it has shut down; the shutdown was graceful,
-    # so that second delivery must end the process with status 0, not kill it.
-    signal.signal(signal.SIGTERM, lambda *_: None)
     freeze_startup_heap()
     server.run()
     if server.engine_failed:
@@ -201,8 +199,13 @@ def _api_key(flag: str | None) -> str | None:
 
 
 class GracefulServer(uvicorn.Server):
-    """A uvicorn server whose SIGTERM/SIGINT first stops admission and drains the engine, so
-    in-flight streams end with finish_reason "abort" instead of a cut connection."""
+    """A uvicorn server that drains on SIGTERM or SIGINT, whether sent to this process alone
+    or to its whole process group (systemd's KillMode=control-group, Ctrl-C; the engine core
+    ignores both): admission stops, in-flight requests get `grace_seconds` to finish, the rest
+    end with finish_reason "abort" (a stream still gets its finish event and [DONE]), the core
+    is told to stop, and `run` returns, which `octavo serve` turns into status 0. A second
+    signal ends the grace at once. A core that dies on its own stops the server too, with
+    `engine_failed` set (status 1)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float):
         super().__init__(config)
@@ -217,13 +220,32 @@ class GracefulServer(uvicorn.Server):
         self.engine_failed = True
         self.should_exit = True
 
-    def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
-            loop = asyncio.get_event_loop()
-            loop.call_soon_threadsafe(
-                lambda: loop.create_task(self.engine.shutdown(self.grace_seconds))
-            )
-        super().handle_exit(sig, frame)
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's serve, then the engine's shutdown if the lifespan did not run it (uvicorn
+        skips it when the startup fails): a core left running would keep this process from
+        exiting, as multiprocessing ends its children at exit with a SIGTERM, which the core
+        ignores, and then waits for them."""
+        try:
+            await super().serve(sockets)
+        finally:
+            await self.engine.shutdown(0.0)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM and SIGINT while serving: starts the engine's drain and uvicorn's shutdown
+        (which waits for the streams to end, then runs the lifespan's `engine.shutdown`, the
+        same drain); a repeated signal ends the grace at once.
+
+        uvicorn's own handler is not called. It records the signal to raise it again once the
+        server has shut down, so a drained server would die of it (SIGINT: asyncio's
+        KeyboardInterrupt traceback) instead of exiting 0; and on a second Ctrl-C it stops
+        waiting for open streams and skips the lifespan's shutdown instead of ending the
+        grace."""
+        grace = 0.0 if self.should_exit else self.grace_seconds
+        self.should_exit = True
+        # Installed only while `serve` runs on the loop, so the handler runs on its thread;
+        # the drain is a task, started once the interrupted callback has returned.
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(lambda: loop.create_task(self.engine.shutdown(grace)))
 
 
 def add_ray_args(parser: argparse.ArgumentParser) -> None:

@@ -64,8 +64,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(model_dir: str | None, tmp_path, *extra: str) -> Iterator[LiveServer]:
-    """`octavo serve` on a free port; model_dir None serves the embedded default model."""
+def live_server(
+    model_dir: str | None, tmp_path, *extra: str, new_session: bool = False
+) -> Iterator[LiveServer]:
+    """`octavo serve` on a free port; model_dir None serves the embedded default model.
+    `new_session`: the server leads a process group of its own (as under systemd or in a
+    terminal), which os.killpg(server.process.pid, ...) signals as a whole."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     model = ["--model", model_dir, "--served-model-name", MODEL_NAME] if model_dir else []
@@ -73,7 +77,9 @@ def live_server(model_dir: str | None, tmp_path, *extra: str) -> Iterator[LiveSe
     cmd += ["--device", "cpu", "--num-blocks", "1024", "--block-size", "8"]
     cmd += ["--log-level", "warning", *extra]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
     server = LiveServer(process, f"http://127.0.0.1:{port}", str(log_path))
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
