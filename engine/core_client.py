@@ -10,6 +10,7 @@ one process (tests, debugging, `--inprocess-engine`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -160,6 +161,7 @@ class MultiprocessCoreClient(EngineCoreClient):
             daemon=True,
         )
         self._closing = False
+        self._closed = False
         self._receiver: threading.Thread | None = None
         self.process.start()
         try:
@@ -170,6 +172,10 @@ class MultiprocessCoreClient(EngineCoreClient):
             raise
         self.limits = ready.limits
         self.initial_stats = ready.stats
+        # The core ignores SIGTERM (only its API side stops it), so multiprocessing's own
+        # exit hook, which terminates daemonic children and joins them, would wait forever
+        # for a core nobody closed. Registered after that hook, this one runs before it.
+        atexit.register(self.close)
 
     def _wait_ready(self) -> EngineCoreReady:
         poller = zmq.Poller()
@@ -233,7 +239,11 @@ class MultiprocessCoreClient(EngineCoreClient):
 
     def close(self) -> None:
         """Asks the core to shut down, waits for it (terminates it past the timeout), and
-        removes the sockets."""
+        removes the sockets. Idempotent; runs at interpreter exit if nobody called it."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self._closing = True
         if self.process.is_alive():
             self.send(EngineCoreInputs(shutdown=True))

@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-grace-seconds",
         type=float,
         default=10.0,
-        help="on SIGTERM, time in-flight requests get before being aborted",
+        help="on SIGTERM or SIGINT (to the server or its process group), time in-flight "
+        "requests get before being aborted; a second signal aborts at once",
     )
     serve.add_argument(
         "--torch-threads",

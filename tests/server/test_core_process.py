@@ -4,6 +4,8 @@ every in-flight stream with an error event and the server exits non-zero within 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -55,3 +57,25 @@ def test_killing_the_core_ends_every_stream_with_an_error_and_the_server_exits_1
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 or "died" in error["message"], error
+
+
+def test_a_process_that_exits_without_closing_its_core_client_still_exits(tiny_model_dir):
+    """The core ignores SIGTERM, so multiprocessing's exit hook alone (terminate, then join)
+    would wait for it forever: the client closes its core at exit instead."""
+    script = (
+        "import sys\n"
+        "from octavo.engine.config import EngineConfig\n"
+        "from octavo.engine.core_client import MultiprocessCoreClient\n"
+        "config = EngineConfig(model=sys.argv[1], device='cpu', num_blocks=64)\n"
+        "client = MultiprocessCoreClient(config, 1)\n"
+        "print(client.process.pid, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, tiny_model_dir],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_TIMEOUT_S * 4,
+    )
+    assert done.returncode == 0, done.stderr
+    core = int(done.stdout.split()[0])
+    assert not Path(f"/proc/{core}").exists()  # exited and reaped by its parent
