@@ -52,7 +52,7 @@ from octavo.engine.core_messages import (
     ModelLimits,
     SampleDelta,
 )
-from octavo.engine.core_process import connect_core_sockets
+from octavo.engine.core_process import CoreAddresses, connect_core_sockets
 
 API_CPU = 0
 # The stand-in core's KV cache, as far as the front end's validation is concerned.
@@ -81,8 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_fake_core(
     config: EngineConfig,
-    input_address: str,
-    output_address: str,
+    addresses: CoreAddresses,
     num_threads: int | None,
     parent_pid: int,
     step_s: float = 0.0,
@@ -96,7 +95,7 @@ def run_fake_core(
     limits = ModelLimits(
         vocab, model_config["n_positions"], None, config.max_num_seqs, 16, FAKE_NUM_BLOCKS
     )
-    _, inputs, outputs = connect_core_sockets(input_address, output_address)
+    _, inputs, (outputs,) = connect_core_sockets(addresses)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInputs)
     running: dict[str, tuple[EngineCoreRequest, int]] = {}
     added = 0

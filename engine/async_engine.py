@@ -14,6 +14,7 @@ from octavo.engine.core_client import (
     EngineCoreDiedError,
     InprocessCoreClient,
     MultiprocessCoreClient,
+    SharedCore,
 )
 from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs, EngineStats
 from octavo.engine.engine_core import EngineCore
@@ -126,6 +127,13 @@ class AsyncEngine:
         """The core in a process of its own with `core_threads` torch threads; returns once
         it is up (ValueError with the core's message if it could not start)."""
         client = MultiprocessCoreClient(config, core_threads)
+        tokenizer = load_tokenizer(config.model, config.load_format)
+        return cls(client, tokenizer, max_num_waiting, config.stream_interval)
+
+    @classmethod
+    def sharing(cls, config: EngineConfig, max_num_waiting: int, shared: SharedCore) -> AsyncEngine:
+        """One of several API processes in front of a core their supervisor started."""
+        client = MultiprocessCoreClient.connect(shared)
         tokenizer = load_tokenizer(config.model, config.load_format)
         return cls(client, tokenizer, max_num_waiting, config.stream_interval)
 

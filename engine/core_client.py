@@ -20,6 +20,8 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import msgspec
@@ -35,7 +37,7 @@ from octavo.engine.core_messages import (
     EngineStats,
     ModelLimits,
 )
-from octavo.engine.core_process import run_engine_core
+from octavo.engine.core_process import CoreAddresses, run_engine_core
 from octavo.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,16 @@ DeathHandler = Callable[[BaseException], None]
 CORE_STARTUP_TIMEOUT_S = 600.0
 # After `shutdown`, how long the core may take to exit before it is terminated.
 CORE_EXIT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SharedCore:
+    """Where API process `client_index` of several finds the engine core that their
+    supervisor started (process `core_pid`), and its sockets."""
+
+    addresses: CoreAddresses
+    client_index: int
+    core_pid: int
 
 
 class EngineCoreDiedError(RuntimeError):
@@ -119,51 +131,70 @@ class InprocessCoreClient(EngineCoreClient):
 
 
 class MultiprocessCoreClient(EngineCoreClient):
-    """Spawns `core_process.run_engine_core` and talks to it over two IPC sockets.
+    """Talks to an engine core in another process over two IPC sockets: one it spawns
+    (`octavo serve`), or, with `connect`, one of several API processes' shared core
+    (`--api-server-count`), which the supervisor that started them owns.
 
-    The constructor returns once the core reports ready, and raises ValueError with the
-    core's message if it could not start (a bad model path, say). A receiver thread decodes
-    what the core sends and watches the process: if it exits unasked (killed, crashed),
-    `on_death` runs at once, not at the next timeout.
+    Construction returns once the core reports ready, and raises ValueError with the core's
+    message if it could not start (a bad model path, say). A receiver thread decodes what
+    the core sends and watches the process (its sentinel, or a pidfd for a core this process
+    did not start): if it exits unasked (killed, crashed), `on_death` runs at once, not at
+    the next timeout.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         num_threads: int | None,
-        target: Callable[[EngineConfig, str, str, int | None, int], None] = run_engine_core,
+        target: Callable[[EngineConfig, CoreAddresses, int | None, int], None] = run_engine_core,
     ):
-        """`target` is the process's entry point, `run_engine_core` unless a benchmark swaps
-        in a stand-in core that speaks the same messages."""
-        self._dir = Path(tempfile.mkdtemp(prefix="octavo-core-"))
+        """Spawns the core. `target` is the process's entry point, `run_engine_core` unless
+        a benchmark swaps in a stand-in core that speaks the same messages."""
+        self._dir: Path | None = Path(tempfile.mkdtemp(prefix="octavo-core-"))
+        addresses = CoreAddresses.in_folder(self._dir, 1)
+        self._open(addresses, 0)
+        # spawn, not fork: this process already runs threads (torch's, uvicorn's).
+        self.process: BaseProcess | None = multiprocessing.get_context("spawn").Process(
+            target=target,
+            args=(config, addresses, num_threads, os.getpid()),
+            name="octavo-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        self._sentinel = self.process.sentinel
+        self._finish_startup()
+
+    @classmethod
+    def connect(cls, shared: SharedCore) -> MultiprocessCoreClient:
+        """One of several API processes of a core started elsewhere."""
+        client = cls.__new__(cls)
+        client._dir = None
+        client._open(shared.addresses, shared.client_index)
+        client.process = None
+        client._sentinel = os.pidfd_open(shared.core_pid)
+        client._finish_startup()
+        return client
+
+    def _open(self, addresses: CoreAddresses, client_index: int) -> None:
+        self._client_index = client_index
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)  # sending never blocks the event loop
-        self._input.bind(f"ipc://{self._dir / 'input'}")
+        self._input.bind(addresses.inputs[client_index])
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(f"ipc://{self._dir / 'output'}")
+        self._output.bind(addresses.outputs[client_index])
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[CoreMessage] = msgspec.msgpack.Decoder(
             CoreMessage  # type: ignore[arg-type]  # a union of tagged Structs
         )
-        # spawn, not fork: this process already runs threads (torch's, uvicorn's).
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=target,
-            args=(
-                config,
-                f"ipc://{self._dir / 'input'}",
-                f"ipc://{self._dir / 'output'}",
-                num_threads,
-                os.getpid(),
-            ),
-            name="octavo-engine-core",
-            daemon=True,
-        )
+        # Written by `close`, so that the receiver thread stops while the core serves on.
+        self._wakeup_read, self._wakeup_write = os.pipe()
         self._closing = False
         self._closed = False
         self._receiver: threading.Thread | None = None
-        self.process.start()
+
+    def _finish_startup(self) -> None:
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -177,10 +208,16 @@ class MultiprocessCoreClient(EngineCoreClient):
         # for a core nobody closed. Registered after that hook, this one runs before it.
         atexit.register(self.close)
 
+    def _exit_status(self) -> str:
+        if self.process is None:
+            return "exited"
+        self.process.join()
+        return f"exited with status {self.process.exitcode}"
+
     def _wait_ready(self) -> EngineCoreReady:
         poller = zmq.Poller()
         poller.register(self._output, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        poller.register(self._sentinel, zmq.POLLIN)
         events = dict(poller.poll(int(CORE_STARTUP_TIMEOUT_S * 1000)))
         if self._output in events:
             message = self._decoder.decode(self._output.recv())
@@ -190,8 +227,7 @@ class MultiprocessCoreClient(EngineCoreClient):
                 raise ValueError(message.error)
         if not events:
             raise RuntimeError(f"the engine core did not start in {CORE_STARTUP_TIMEOUT_S} s")
-        self.process.join()
-        raise RuntimeError(f"the engine core exited with status {self.process.exitcode}")
+        raise RuntimeError(f"the engine core {self._exit_status()}")
 
     def start(
         self, loop: asyncio.AbstractEventLoop, on_outputs: OutputHandler, on_death: DeathHandler
@@ -207,10 +243,12 @@ class MultiprocessCoreClient(EngineCoreClient):
     def _receive_loop(
         self, loop: asyncio.AbstractEventLoop, on_outputs: OutputHandler, on_death: DeathHandler
     ) -> None:
-        """Decodes the core's messages and hands them to the loop, until the process ends."""
+        """Decodes the core's messages and hands them to the loop, until the process ends
+        or `close` says to stop."""
         poller = zmq.Poller()
         poller.register(self._output, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        poller.register(self._sentinel, zmq.POLLIN)
+        poller.register(self._wakeup_read, zmq.POLLIN)
         death: EngineCoreDiedError | None = None
         while death is None:
             events = dict(poller.poll())
@@ -224,36 +262,44 @@ class MultiprocessCoreClient(EngineCoreClient):
                     loop.call_soon_threadsafe(on_outputs, message)
                 elif isinstance(message, EngineCoreFailed):
                     death = EngineCoreDiedError(f"the engine core failed: {message.error}")
-            if self.process.sentinel in events and death is None:
-                self.process.join()
+            if self._wakeup_read in events:
+                return
+            if self._sentinel in events and death is None:
+                status = self._exit_status()
                 if self._closing:
                     return
-                death = EngineCoreDiedError(
-                    f"the engine core process exited with status {self.process.exitcode}"
-                )
+                death = EngineCoreDiedError(f"the engine core process {status}")
         logger.error("%s", death)
         loop.call_soon_threadsafe(on_death, death)
 
     def send(self, inputs: EngineCoreInputs) -> None:
-        self._input.send(self._encoder.encode(inputs), copy=False)
+        inputs.client_index = self._client_index
+        try:  # never blocks: with no core connected, ZMQ would wait for one
+            self._input.send(self._encoder.encode(inputs), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("the engine core is gone; %s not delivered", type(inputs).__name__)
 
     def close(self) -> None:
-        """Asks the core to shut down, waits for it (terminates it past the timeout), and
-        removes the sockets. Idempotent; runs at interpreter exit if nobody called it."""
+        """Asks the core to shut down (a shared core: once every API process has), waits
+        for a core this process started (terminates it past the timeout), and removes the
+        sockets. Idempotent; runs at interpreter exit if nobody called it."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
         self._closing = True
-        if self.process.is_alive():
+        if self.process is None or self.process.is_alive():
             self.send(EngineCoreInputs(shutdown=True))
         self._stop_process()
+        os.write(self._wakeup_write, b"\0")
         if self._receiver is not None:
             self._receiver.join()
         self._cleanup()
 
     def _stop_process(self) -> None:
         self._closing = True
+        if self.process is None:  # the supervisor that started it waits for it
+            return
         self.process.join(CORE_EXIT_TIMEOUT_S)
         if self.process.is_alive():
             logger.warning("the engine core did not exit; terminating it")
@@ -262,7 +308,13 @@ class MultiprocessCoreClient(EngineCoreClient):
 
     def _cleanup(self) -> None:
         """Closes the sockets (the receiver thread, their other user, has ended)."""
-        self._input.close(linger=0)
+        # A core that is still being asked to shut down gets the time to read it.
+        self._input.close(linger=int(CORE_EXIT_TIMEOUT_S * 1000) if self.process is None else 0)
         self._output.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        os.close(self._wakeup_read)
+        os.close(self._wakeup_write)
+        if self.process is None:
+            os.close(self._sentinel)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -41,12 +41,15 @@ class SampleAbort(msgspec.Struct, array_like=True, frozen=True):
 
 class EngineCoreInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Everything the front end sent since its last message, applied before the next step:
-    new requests, whole-request aborts, sample aborts; `shutdown` stops the core."""
+    new requests, whole-request aborts, sample aborts; `shutdown` stops the core (once every
+    API process sent it). `client_index`: which of the core's API processes sent it (0 of 1
+    unless --api-server-count), the one its requests' outputs go back to."""
 
     requests: list[EngineCoreRequest] = []
     aborts: list[str] = []
     sample_aborts: list[SampleAbort] = []
     shutdown: bool = False
+    client_index: int = 0
 
 
 # gc=False on the records built per row per step (they never take part in a reference cycle):

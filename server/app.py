@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """Builds the app around a (not yet started) AsyncEngine; the app's lifespan starts the
     engine thread and shuts it down gracefully."""
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, config.metrics_dir)
     serving = CompletionServing(engine, config, metrics)
     chat = ChatServing(engine, config, metrics)
     tokenization = TokenizationServing(engine, config)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -21,6 +24,7 @@ from fastapi import FastAPI
 
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.config import EngineConfig
+from octavo.engine.core_client import SharedCore
 from octavo.engine.heap import freeze_startup_heap
 from octavo.engine.worker.models.weights import load_model_config
 from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
@@ -29,6 +33,9 @@ from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_MODEL_NAME = "octavo-tiny"
 API_KEY_ENV = "OCTAVO_API_KEY"
+# prometheus-client's multiprocess folder (set by the --api-server-count supervisor, or by a
+# user who runs several servers): /metrics then adds up every process's histograms.
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # --max-n's default: a request may take at most this fraction (1 / N) of the sequence slots.
 DEFAULT_MAX_N_SHARE = 4
 # From this cost per token the engine core takes every CPU core (default_model_threads): the
@@ -38,6 +45,8 @@ MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES = 10_000_000
 # --stream-batching-ms's default: Ray Serve LLM's own for the same purpose
 # (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS), 20 messages a second per stream.
 DEFAULT_STREAM_BATCHING_MS = 50.0
+# --api-server-count's most by default (default_api_server_count).
+MAX_DEFAULT_API_SERVERS = 4
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +115,28 @@ def _serve(args: argparse.Namespace) -> int:
         from octavo.server.ray_serve.launch import serve_on_ray
 
         return serve_on_ray(args)
+    if args.api_server_count is not None and args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    api_servers = args.api_server_count or default_api_server_count(engine_config_from_args(args))
+    if api_servers > 1:
+        if args.inprocess_engine:
+            raise ValueError("--api-server-count > 1 needs the engine core in its own process")
+        from octavo.server.api_servers import serve_with_api_servers
+
+        return serve_with_api_servers(args, api_servers)
     engine, app = build_server(args)
+    return run_http_server(args, engine, app)
+
+
+def run_http_server(
+    args: argparse.Namespace,
+    engine: AsyncEngine,
+    app: FastAPI,
+    sock: socket.socket | None = None,
+    stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> int:
+    """Serves `app` with uvicorn on --host/--port (or on `sock`, already listening) until a
+    stop signal drains it; the exit status: 1 if the engine core died, else 0."""
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
@@ -118,18 +148,33 @@ def _serve(args: argparse.Namespace) -> int:
         http=h11_with_header_timeout(args.header_timeout_seconds),
         limit_concurrency=args.limit_concurrency,
     )
-    server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds)
+    server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds, stop_signals)
     freeze_startup_heap()
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     if server.engine_failed:
         logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
         return 1
     return 0
 
 
-def build_server(args: argparse.Namespace) -> tuple[AsyncEngine, FastAPI]:
+def default_api_server_count(config: EngineConfig) -> int:
+    """--api-server-count's default. On CPU one: the engine core's torch threads take the
+    other cores. On CUDA the core needs one core for its host loop, and one API process
+    streams roughly 17,000 tokens/s at one token per event (57 us of CPU each, measured on the
+    development CPU: benchmarks/README), a fraction of a GPU engine's rate; so as many as
+    the cores allow beside the core's and one for the system, up to MAX_DEFAULT_API_SERVERS."""
+    if config.torch_device.type != "cuda":
+        return 1
+    cores = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, cores - 2))
+
+
+def build_server(
+    args: argparse.Namespace, shared_core: SharedCore | None = None
+) -> tuple[AsyncEngine, FastAPI]:
     """The engine (not started) and the app of `octavo serve`'s flags: what one server
-    process runs, alone or as a Ray Serve replica."""
+    process runs, alone, as one of several API processes of a `shared_core`, or as a Ray
+    Serve replica."""
     from octavo.server.app import create_app
     from octavo.server.chat_template import load_chat_template
     from octavo.server.serving_engine import ServerConfig
@@ -140,7 +185,10 @@ def build_server(args: argparse.Namespace) -> tuple[AsyncEngine, FastAPI]:
     model_threads = None
     if engine_config.torch_device.type == "cpu":
         model_threads = args.torch_threads or default_model_threads(engine_config)
-    if args.inprocess_engine:
+    if shared_core is not None:
+        torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
+        engine = AsyncEngine.sharing(engine_config, args.max_num_waiting, shared_core)
+    elif args.inprocess_engine:
         if model_threads is not None:
             torch.set_num_threads(model_threads)
         engine = AsyncEngine.in_process(engine_config, args.max_num_waiting)
@@ -159,6 +207,7 @@ def build_server(args: argparse.Namespace) -> tuple[AsyncEngine, FastAPI]:
         max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
         allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
         chat_template=chat_template,
+        metrics_dir=os.environ.get(PROMETHEUS_DIR_ENV),
     )
     return engine, create_app(engine, config)
 
@@ -207,12 +256,35 @@ class GracefulServer(uvicorn.Server):
     signal ends the grace at once. A core that dies on its own stops the server too, with
     `engine_failed` set (status 1)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        grace_seconds: float,
+        stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+    ):
+        """`stop_signals`: what drains the server (an API process of several drains on
+        what its supervisor forwards, see api_servers.py)."""
         super().__init__(config)
         self.engine = engine
         self.grace_seconds = grace_seconds
+        self.stop_signals = stop_signals
         self.engine_failed = False
         engine.on_fatal(self._engine_died)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """`handle_exit` on the stop signals while serving (signals reach the main thread
+        only; elsewhere, as in a Ray replica, there is nothing to install)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.stop_signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _engine_died(self, exc: BaseException) -> None:
         """A step failed: every in-flight request already has its error; stop serving (a
@@ -372,6 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CPU threads for the model in the engine core (default: every core for a "
         "model of >= 10 MFLOP per token, else all cores but one)",
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="API server processes in front of one engine core, accepting on the same port "
+        "(each with its own event loop, detokenizer and SSE): for machines with cores to "
+        "spare (default: 1 on CPU; on CUDA the cores beside the core's and one, up to "
+        f"{MAX_DEFAULT_API_SERVERS})",
     )
     serve.add_argument(
         "--inprocess-engine",

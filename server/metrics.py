@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from octavo.engine.async_engine import AsyncEngine
@@ -51,11 +52,17 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class ServerMetrics:
-    """Request-latency histograms plus the engine collector, exposed by `render()`."""
+    """Request-latency histograms plus the engine collector, exposed by `render()`.
 
-    def __init__(self, engine: AsyncEngine):
+    With `multiprocess_dir` (prometheus-client's multiprocess mode, which several API
+    processes share: --api-server-count) the histograms `render` shows are every process's,
+    added up; the engine's counters are the core's, the same in every process."""
+
+    def __init__(self, engine: AsyncEngine, multiprocess_dir: str | None = None):
+        self._engine_stats = EngineStatsCollector(engine)
+        self._multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(engine))
+        self.registry.register(self._engine_stats)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Arrival to first generated token.",
@@ -90,4 +97,9 @@ class ServerMetrics:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self._multiprocess_dir)
+        registry.register(self._engine_stats)
+        return generate_latest(registry)

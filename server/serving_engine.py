@@ -56,6 +56,8 @@ class ServerConfig:
     max_n: int | None = None
     allowed_hosts: tuple[str, ...] | None = None
     chat_template: ChatTemplate | None = None
+    # prometheus-client's multiprocess folder when several API processes share /metrics.
+    metrics_dir: str | None = None
 
 
 class EngineServing:

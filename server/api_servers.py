@@ -1,0 +1,163 @@
+"""`octavo serve --api-server-count N`: N API server processes in front of one engine core.
+
+The process `octavo serve` starts becomes a supervisor. It binds N listening sockets on
+--host/--port with SO_REUSEPORT (the kernel spreads connections over them), starts the
+engine core and N API processes, and waits. Each API process serves one socket with its own
+event loop, output processor and detokenizer; the core routes each request's outputs back to
+the process that sent it (`core_process.ClientRouter`). /metrics answers the same in every
+process: the core's counters, and the latency histograms of all of them
+(prometheus-client's multiprocess mode, in a folder the supervisor owns).
+
+Stopping: SIGTERM or SIGINT may reach the supervisor alone or every process at once
+(systemd's KillMode=control-group signals the whole cgroup, Ctrl-C the process group), so the
+API processes and the core ignore both, and the supervisor forwards each one it receives as
+DRAIN_SIGNAL: the first drains every API process (as `octavo serve` drains on SIGTERM), a
+second aborts at once. Each API process tells the core it is done; the core stops when all
+have. An API process that exits non-zero (the core died: its streams got their error
+events) makes the supervisor drain the others and exit non-zero too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+
+from octavo.engine.core_client import CORE_EXIT_TIMEOUT_S, SharedCore
+from octavo.engine.core_process import SERVER_STOP_SIGNALS, CoreAddresses, run_engine_core
+
+# What the supervisor sends its API processes for each stop signal it receives: a signal
+# neither a terminal nor systemd sends on its own.
+DRAIN_SIGNAL = signal.SIGUSR1
+LISTEN_BACKLOG = 2048
+
+logger = logging.getLogger(__name__)
+
+
+def serve_with_api_servers(args: argparse.Namespace, count: int) -> int:
+    """Runs the supervisor until every API process has exited; the exit status: 0 when all
+    drained cleanly, else the first non-zero status of an API process (1: the core died; 2:
+    it could not start)."""
+    from octavo.server.cli import (
+        PROMETHEUS_DIR_ENV,
+        default_model_threads,
+        engine_config_from_args,
+    )
+
+    engine_config = engine_config_from_args(args)
+    model_threads = None
+    if engine_config.torch_device.type == "cpu":
+        model_threads = args.torch_threads or default_model_threads(engine_config)
+    folder = Path(tempfile.mkdtemp(prefix="octavo-api-servers-"))
+    metrics_dir = folder / "metrics"
+    metrics_dir.mkdir()
+    # Read by prometheus-client when an API process imports it (spawned children inherit it).
+    os.environ[PROMETHEUS_DIR_ENV] = str(metrics_dir)
+    addresses = CoreAddresses.in_folder(folder, count)
+    sockets = [_listening_socket(args.host, args.port) for _ in range(count)]
+    context = multiprocessing.get_context("spawn")
+    core = context.Process(
+        target=run_engine_core,
+        args=(engine_config, addresses, model_threads, os.getpid()),
+        name="octavo-engine-core",
+    )
+    children: list[BaseProcess] = [core]
+    try:
+        core.start()
+        assert core.pid is not None, "started"
+        workers: list[BaseProcess] = [
+            context.Process(
+                target=run_api_server,
+                args=(args, SharedCore(addresses, index, core.pid), sockets[index]),
+                name=f"octavo-api-server-{index}",
+            )
+            for index in range(count)
+        ]
+        children += workers
+        for worker in workers:
+            worker.start()
+        for sock in sockets:
+            sock.close()  # the API processes hold their own
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            for worker in workers:
+                if worker.is_alive():
+                    os.kill(worker.pid, DRAIN_SIGNAL)  # type: ignore[arg-type]  # started
+
+        for signum in SERVER_STOP_SIGNALS:
+            signal.signal(signum, forward)
+        status = _wait_for(workers, forward)
+        core.join(CORE_EXIT_TIMEOUT_S)
+        if core.is_alive():
+            logger.warning("the engine core did not exit; killing it")
+        elif core.exitcode != 0 and status == 0:
+            status = 1
+        return status
+    finally:
+        for child in children:  # anything left (an error above): never an orphan
+            if child.pid is not None and child.is_alive():
+                child.kill()
+                child.join()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_for(
+    workers: list[BaseProcess], drain_all: Callable[[int, FrameType | None], None]
+) -> int:
+    """Waits for every API process; the first to fail makes the others drain."""
+    status = 0
+    pending = {worker.sentinel: worker for worker in workers}
+    while pending:
+        for sentinel in multiprocessing.connection.wait(list(pending)):
+            assert isinstance(sentinel, int), "process sentinels are descriptors"
+            worker = pending.pop(sentinel)
+            worker.join()
+            code = worker.exitcode or 0
+            if code != 0 and status == 0:
+                logger.error("%s exited with status %s; stopping the others", worker.name, code)
+                status = code if code > 0 else 1
+                drain_all(DRAIN_SIGNAL, None)
+    return status
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port beside the others of the same port (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_api_server(args: argparse.Namespace, shared: SharedCore, sock: socket.socket) -> None:
+    """An API process (a spawn target): the app of `octavo serve`'s flags over the shared
+    core, on `sock`; drains on DRAIN_SIGNAL and ignores the stop signals (module docstring).
+    Exits 0 once drained, 1 if the core died, 2 if it could not start."""
+    for signum in SERVER_STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s[api {shared.client_index}]: %(message)s",
+    )
+    from octavo.server.cli import build_server, run_http_server
+
+    try:
+        engine, app = build_server(args, shared)
+    except ValueError as exc:
+        print(f"octavo: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_http_server(args, engine, app, sock, stop_signals=(DRAIN_SIGNAL,)))
