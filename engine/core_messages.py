@@ -97,7 +97,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     that asked for prompt logprobs gets them chunk by chunk as its prompt is computed (in
     outputs that may carry no tokens). `first_scheduled_time` (time.monotonic(): one clock
     for every process of the host) and `num_cached_tokens` come with the first token and
-    with the end."""
+    with the end; `first_token_time` with the end (a request whose tokens all come at its
+    end was not served its first token then)."""
 
     request_id: str
     samples: list[SampleDelta] = []
@@ -105,6 +106,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     beams: list[BeamResult] | None = None
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     prompt_logprobs: PromptLogprobs | None = None  # the next prompt tokens' (in order)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
 

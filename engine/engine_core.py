@@ -304,8 +304,10 @@ class EngineCore:
         for seq in group.seqs:
             if seq.index not in ended and seq.status.finish_reason in ("abort", "error"):
                 cumulative = seq.cumulative_logprob if logprobs else None
+                # A final_only sample's tokens were held back: its end brings them all.
+                tokens = seq.output_token_ids if group.final_only else []
                 samples.append(
-                    SampleDelta(seq.index, [], cumulative, None, seq.status.finish_reason)
+                    SampleDelta(seq.index, tokens, cumulative, None, seq.status.finish_reason)
                 )
         return EngineCoreOutput(
             group.request_id,
@@ -314,6 +316,7 @@ class EngineCore:
             error=group.error,
             beams=_beam_results(group) if group.beam is not None else None,
             first_scheduled_time=group.first_scheduled_time,
+            first_token_time=group.first_token_time,
             num_cached_tokens=group.num_cached_tokens,
         )
 

@@ -172,6 +172,8 @@ class OutputProcessor:
         now = time.monotonic()
         if output.first_scheduled_time is not None:
             state.first_scheduled_time = output.first_scheduled_time
+        if output.first_token_time is not None and state.first_token_time is None:
+            state.first_token_time = output.first_token_time
         if output.num_cached_tokens is not None:
             state.num_cached_tokens = output.num_cached_tokens
         chunk = output.prompt_logprobs

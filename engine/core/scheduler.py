@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SchedulerUpdate:
     """What a step's results did to the requests. `progressed`: the output of each sampling
-    request that gained tokens and goes on. `finished`: each request that finished during the
-    step (a stop rule, a failure -- `group.error` -- or a beam search's end), with the deltas
-    of its samples that gained a token (a failed or beam search request has none here).
+    request that gained tokens and goes on (a `final_only` request's samples say nothing until
+    they finish, then all their tokens at once). `finished`: each request that finished during
+    the step (a stop rule, a failure -- `group.error` -- or a beam search's end), with the
+    deltas of its samples that gained a token (a failed or beam search request has none here).
     `prompt_logprobs`: what the step computed of each request's prompt logprobs."""
 
     progressed: list[EngineCoreOutput]
@@ -507,6 +508,10 @@ class Scheduler:
                     update.finished.append((group, []))
                     gathered.pop(id(group), None)
                     continue  # its other rows still count (their sequences are finished)
+                if group.final_only:  # a sample's finish carries all its tokens, nothing else
+                    if finish_reason is None:
+                        continue
+                    delta.new_token_ids = seq.output_token_ids
                 if len(group.seqs) == 1:  # one sample: its output is complete
                     if finish_reason is not None:
                         any_finished = True

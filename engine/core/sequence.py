@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from octavo.engine.core.beam_state import BeamState
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -148,9 +148,20 @@ class SequenceGroup:
     # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
     # reads it for every running request of every step.
     num_sequences: int = field(init=False)
+    # Nobody reads this request's tokens before a sample ends (its front end wants the final
+    # output only, matches no stop strings and wants no per-token logprobs): a sample's
+    # tokens leave the core at once, when it finishes, not one step at a time.
+    final_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_sequences = self.sampling_params.num_sequences
+        params = self.sampling_params
+        self.final_only = (
+            isinstance(params, SamplingParams)
+            and params.output_kind is RequestOutputKind.FINAL_ONLY
+            and not params.stop_strings
+            and params.logprobs is None
+        )
         # Every sample's generator is built now, at admission, so that a seed the generator
         # refuses fails this request when it is added, never a later engine step.
         seed = (
