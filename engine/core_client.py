@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import select
 import shutil
 import tempfile
 import threading
@@ -180,6 +181,9 @@ class MultiprocessCoreClient(EngineCoreClient):
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)  # sending never blocks the event loop
+        # ... unless no core is connected (ZMQ then waits for one): a dead core's last
+        # message (a shutdown) is dropped after this long instead of hanging.
+        self._input.setsockopt(zmq.SNDTIMEO, int(CORE_EXIT_TIMEOUT_S * 1000))
         self._input.bind(addresses.inputs[client_index])
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -207,6 +211,11 @@ class MultiprocessCoreClient(EngineCoreClient):
         # exit hook, which terminates daemonic children and joins them, would wait forever
         # for a core nobody closed. Registered after that hook, this one runs before it.
         atexit.register(self.close)
+
+    def _core_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return not select.select([self._sentinel], [], [], 0)[0]  # a pidfd reads at exit
 
     def _exit_status(self) -> str:
         if self.process is None:
@@ -274,9 +283,9 @@ class MultiprocessCoreClient(EngineCoreClient):
 
     def send(self, inputs: EngineCoreInputs) -> None:
         inputs.client_index = self._client_index
-        try:  # never blocks: with no core connected, ZMQ would wait for one
-            self._input.send(self._encoder.encode(inputs), zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        try:
+            self._input.send(self._encoder.encode(inputs), copy=False)
+        except zmq.Again:  # SNDTIMEO ran out: no core is connected
             logger.warning("the engine core is gone; %s not delivered", type(inputs).__name__)
 
     def close(self) -> None:
@@ -288,7 +297,7 @@ class MultiprocessCoreClient(EngineCoreClient):
         self._closed = True
         atexit.unregister(self.close)
         self._closing = True
-        if self.process is None or self.process.is_alive():
+        if self._core_alive():
             self.send(EngineCoreInputs(shutdown=True))
         self._stop_process()
         os.write(self._wakeup_write, b"\0")
