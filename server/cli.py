@@ -160,9 +160,9 @@ def run_http_server(
 def default_api_server_count(config: EngineConfig) -> int:
     """--api-server-count's default. On CPU one: the engine core's torch threads take the
     other cores. On CUDA the core needs one core for its host loop, and one API process
-    streams roughly 17,000 tokens/s at one token per event (57 us of CPU each, measured on the
-    development CPU: benchmarks/README), a fraction of a GPU engine's rate; so as many as
-    the cores allow beside the core's and one for the system, up to MAX_DEFAULT_API_SERVERS."""
+    streams a fraction of a GPU engine's tokens at one token per event (benchmarks/README,
+    "Streaming at the engine's speed"); so as many as the cores allow beside the core's and
+    one for the system, up to MAX_DEFAULT_API_SERVERS."""
     if config.torch_device.type != "cuda":
         return 1
     cores = os.cpu_count() or 1

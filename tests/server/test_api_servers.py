@@ -60,17 +60,24 @@ def pids_holding(pids: list[int], inodes: set[str]) -> dict[int, int]:
 
 
 def roles(server: LiveServer) -> tuple[list[int], int]:
-    """(the API processes: those listening on the port, the engine core)."""
+    """(the API processes: those listening on the port, the engine core). /health answers
+    once one API process serves; the others may still be starting (a spawned process takes
+    its socket after importing), so this waits until all of them listen."""
     port = int(server.base_url.rsplit(":", 1)[1])
-    kids = [
-        pid
-        for pid in children(server.process.pid)
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
-    listening = pids_holding(kids, socket_inodes(port, TCP_LISTEN))
-    api = [pid for pid, count in listening.items() if count]
-    (core,) = [pid for pid in kids if pid not in api]
-    return api, core
+    deadline = time.monotonic() + STREAM_TIMEOUT_S
+    while True:
+        kids = [
+            pid
+            for pid in children(server.process.pid)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        listening = pids_holding(kids, socket_inodes(port, TCP_LISTEN))
+        api = [pid for pid, count in listening.items() if count]
+        if len(api) == NUM_API_SERVERS:
+            (core,) = [pid for pid in kids if pid not in api]
+            return api, core
+        assert time.monotonic() < deadline, f"listening: {listening}"
+        time.sleep(POLL_S)
 
 
 class StreamReader(threading.Thread):
