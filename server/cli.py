@@ -27,7 +27,7 @@ from octavo.engine.config import EngineConfig
 from octavo.engine.core_client import SharedCore
 from octavo.engine.heap import freeze_startup_heap
 from octavo.engine.worker.models.weights import load_model_config
-from octavo.server.http_guards import LOOPBACK_HOSTS, h11_with_header_timeout
+from octavo.server.http_guards import LOOPBACK_HOSTS, http_with_header_timeout
 
 # The tiny GPT-2 trained on Python's reference text (tools/train_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -145,7 +145,7 @@ def run_http_server(
         # After the engine's grace and abort drain, connections still open (a stream nobody
         # reads) are closed: SIGTERM always ends the process.
         timeout_graceful_shutdown=args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1,
-        http=h11_with_header_timeout(args.header_timeout_seconds),
+        http=http_with_header_timeout(args.header_timeout_seconds),
         limit_concurrency=args.limit_concurrency,
     )
     server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds, stop_signals)
