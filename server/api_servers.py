@@ -59,13 +59,16 @@ def serve_with_api_servers(args: argparse.Namespace, count: int) -> int:
     model_threads = None
     if engine_config.torch_device.type == "cpu":
         model_threads = args.torch_threads or default_model_threads(engine_config)
+    try:
+        sockets = [_listening_socket(args.host, args.port) for _ in range(count)]
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
     folder = Path(tempfile.mkdtemp(prefix="octavo-api-servers-"))
     metrics_dir = folder / "metrics"
     metrics_dir.mkdir()
     # Read by prometheus-client when an API process imports it (spawned children inherit it).
     os.environ[PROMETHEUS_DIR_ENV] = str(metrics_dir)
     addresses = CoreAddresses.in_folder(folder, count)
-    sockets = [_listening_socket(args.host, args.port) for _ in range(count)]
     context = multiprocessing.get_context("spawn")
     core = context.Process(
         target=run_engine_core,

@@ -9,6 +9,9 @@ exits 0; a killed core ends the streams of both with an error and the server exi
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -237,3 +240,17 @@ def test_a_killed_core_ends_the_streams_of_both_processes_and_the_server_fails(
         assert reader.lines[-1] == "data: [DONE]"
         assert reader.lines[-2].startswith('data: {"error"'), reader.lines[-2]
     assert not any(Path(f"/proc/{pid}").exists() for pid in api)
+
+
+def test_a_port_in_use_is_a_clear_error_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "octavo", "serve", "--port", str(port),
+             "--api-server-count", str(NUM_API_SERVERS)],
+            capture_output=True, text=True, timeout=STREAM_TIMEOUT_S,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
