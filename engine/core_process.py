@@ -10,10 +10,10 @@ GIL.
 
 Only the API side decides when the core stops: every API process sends
 EngineCoreInputs(shutdown=True) once its requests are drained, or the process that started
-the core is gone (the core notices within PARENT_CHECK_MS). SIGTERM and
-SIGINT are ignored here, whoever sends them, multiprocessing's SIGTERM to daemonic children at
-interpreter exit included: an API process closes its core client before it exits (else that
-exit waits for a core that never stops). SIGKILL still ends the core at once.
+the core is gone (the core notices within PARENT_CHECK_MS). SIGTERM and SIGINT are ignored
+here, whoever sends them, multiprocessing's SIGTERM to daemonic children at interpreter exit
+included: an API process closes its core client before it exits (else that exit waits for a
+core that never stops). SIGKILL still ends the core at once.
 """
 
 from __future__ import annotations
@@ -70,10 +70,6 @@ class CoreAddresses:
             tuple(f"ipc://{folder / f'input-{i}'}" for i in range(num_clients)),
             tuple(f"ipc://{folder / f'output-{i}'}" for i in range(num_clients)),
         )
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.inputs)
 
 
 def run_engine_core(
