@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +27,45 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 STARTUP_TIMEOUT_S = 60
+STREAM_TIMEOUT_S = 60
+
+
+class StreamReader(threading.Thread):
+    """Streams one completion request in a thread and keeps its status and its non-empty
+    lines; `started` is set at its first event; setting `stop` closes the connection after
+    the next event (a client that leaves)."""
+
+    def __init__(self, base_url: str, body: dict):
+        super().__init__()
+        self.url = f"{base_url}/v1/completions"
+        self.body = body
+        self.status: int | None = None
+        self.lines: list[str] = []
+        self.started = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.url, json=self.body, timeout=STREAM_TIMEOUT_S) as response:
+            self.status = response.status_code
+            for line in response.iter_lines():
+                if line:
+                    self.lines.append(line)
+                    self.started.set()
+                if self.stop.is_set():
+                    return
+
+    def chunks(self) -> list[dict]:
+        """The JSON events before the final `data: [DONE]`."""
+        return [json.loads(line.removeprefix("data: ")) for line in self.lines[:-1]]
+
+    def finish_reasons(self) -> list[str | None]:
+        """Every choice's finish_reason, event by event (those read so far)."""
+        return [
+            choice["finish_reason"]
+            for line in self.lines
+            if line.startswith("data: {")
+            for choice in json.loads(line.removeprefix("data: ")).get("choices", [])
+        ]
 
 
 @dataclass

@@ -6,21 +6,25 @@ adds up both; a stop signal to the supervisor or to the whole process group drai
 exits 0; a killed core ends the streams of both with an error and the server exits non-zero.
 """
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, LiveServer, live_server
+from tests.server.conftest import (
+    CHAT_TEMPLATE,
+    MODEL_NAME,
+    STREAM_TIMEOUT_S,
+    LiveServer,
+    StreamReader,
+    live_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +32,6 @@ NUM_API_SERVERS = 2
 # Concurrent streams: at least MIN_STREAMS, and more until both processes hold some (the
 # kernel spreads connections by a hash: 2**-(MAX_STREAMS - 1) that they never do).
 MIN_STREAMS, MAX_STREAMS = 4, 32
-STREAM_TIMEOUT_S = 60
 POLL_S = 0.05
 STREAM_CHOICES = 8  # each stream lasts seconds: still in flight while more start
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
@@ -81,34 +84,6 @@ def roles(server: LiveServer) -> tuple[list[int], int]:
             return api, core
         assert time.monotonic() < deadline, f"listening: {listening}"
         time.sleep(POLL_S)
-
-
-class StreamReader(threading.Thread):
-    """One streamed completion: its non-empty lines; `started` at its first event."""
-
-    def __init__(self, base_url: str, body: dict):
-        super().__init__()
-        self.url, self.body = f"{base_url}/v1/completions", body
-        self.lines: list[str] = []
-        self.started = threading.Event()
-        self.stop = threading.Event()  # set: close the connection after the next event
-
-    def run(self) -> None:
-        with httpx.stream("POST", self.url, json=self.body, timeout=STREAM_TIMEOUT_S) as response:
-            for line in response.iter_lines():
-                if line:
-                    self.lines.append(line)
-                    self.started.set()
-                if self.stop.is_set():
-                    return
-
-    def finish_reasons(self) -> list[str | None]:
-        return [
-            c["finish_reason"]
-            for line in self.lines
-            if line.startswith("data: {")
-            for c in json.loads(line.removeprefix("data: ")).get("choices", [])
-        ]
 
 
 def start_streams(server: LiveServer, body: dict) -> list[StreamReader]:

@@ -15,7 +15,14 @@ import pytest
 
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS
 from octavo.server.cli import DEFAULT_MODEL_NAME
-from tests.server.conftest import MODEL_NAME, LiveServer, core_pid, live_server
+from tests.server.conftest import (
+    MODEL_NAME,
+    STREAM_TIMEOUT_S,
+    LiveServer,
+    StreamReader,
+    core_pid,
+    live_server,
+)
 
 NUM_STREAMS = 3
 
@@ -103,36 +110,10 @@ SHORT_TOKENS = 16
 LONG_TOKENS = 500  # the default model's context is 512 tokens
 LONG_CHOICES = 32
 NUM_BLOCKS = "4096"  # the long stream's choices never wait for blocks (no preemption)
-STREAM_TIMEOUT_S = 60
 STOP_TEST_TIMEOUT_S = 120
 # A grace no test waits out: only a second signal can end it.
 ENDLESS_GRACE_S = 3600
 HEALTH_POLL_S = 0.01
-
-
-class StreamReader(threading.Thread):
-    """Streams one completion request and keeps its status and its non-empty lines;
-    `started` is set at its first event."""
-
-    def __init__(self, base_url: str, body: dict):
-        super().__init__()
-        self.url = f"{base_url}/v1/completions"
-        self.body = body
-        self.status: int | None = None
-        self.lines: list[str] = []
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        with httpx.stream("POST", self.url, json=self.body, timeout=STREAM_TIMEOUT_S) as response:
-            self.status = response.status_code
-            for line in response.iter_lines():
-                if line:
-                    self.lines.append(line)
-                    self.started.set()
-
-    def chunks(self) -> list[dict]:
-        """The JSON events before the final `data: [DONE]`."""
-        return [json.loads(line.removeprefix("data: ")) for line in self.lines[:-1]]
 
 
 def wait_until_draining(server: LiveServer) -> None:
@@ -147,6 +128,14 @@ def wait_until_draining(server: LiveServer) -> None:
             return
         time.sleep(HEALTH_POLL_S)
     raise AssertionError("the server kept serving after the signal")
+
+
+def assert_clean_exit(server: LiveServer, status: int, core: int) -> None:
+    """Exit 0, no traceback in the log, and the engine core gone with the server."""
+    log = Path(server.log_path).read_text()
+    assert status == 0, log
+    assert "Traceback" not in log, log
+    assert not Path(f"/proc/{core}").exists(), "the engine core outlived the server"
 
 
 def stream_body(max_tokens: int, **extra) -> dict:
@@ -186,10 +175,7 @@ def test_a_stop_signal_drains_in_flight_streams_and_exits_0(signum, to_group, tm
             reader.join(STREAM_TIMEOUT_S)
             assert not reader.is_alive()
         status = server.process.wait(timeout=STREAM_TIMEOUT_S)
-    log = Path(server.log_path).read_text()
-    assert status == 0, log
-    assert "Traceback" not in log, log
-    assert not Path(f"/proc/{core}").exists(), "the engine core outlived the server"
+    assert_clean_exit(server, status, core)
 
     assert short.status == 200 and short.lines[-1] == "data: [DONE]"
     *choices, usage = short.chunks()
@@ -227,9 +213,6 @@ def test_a_second_ctrl_c_ends_the_grace_at_once(tmp_path):
         long.join(STREAM_TIMEOUT_S)
         assert not long.is_alive()
         status = server.process.wait(timeout=STREAM_TIMEOUT_S)
-    log = Path(server.log_path).read_text()
-    assert status == 0, log
-    assert "Traceback" not in log, log
-    assert not Path(f"/proc/{core}").exists(), "the engine core outlived the server"
+    assert_clean_exit(server, status, core)
     assert long.status == 200 and long.lines[-1] == "data: [DONE]"
     assert long.chunks()[-1]["choices"][0]["finish_reason"] == "abort"
