@@ -4,14 +4,12 @@ import pytest
 import torch
 
 from octavo.kernels.paged_attention import (
-    MIN_DOT_DIM,
     MIN_KEYS_PER_SPLIT,
     DecodeConfig,
     PrefillConfig,
     choose_num_splits,
     paged_attention,
     paged_attention_ref,
-    prefill_config,
 )
 from tests.kernels.paged_setup import make_batch
 
@@ -82,16 +80,6 @@ def test_four_heads_and_strided_queries():
     torch.testing.assert_close(
         run(batch, paged_attention), run(batch, paged_attention_ref), atol=1e-5, rtol=1e-5
     )
-
-
-@pytest.mark.parametrize("num_heads", [12, 16, 20, 25])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_tile_heuristics_keep_every_dot_dimension_at_least_16(num_heads, dtype):
-    for n_embd in (768, 1024, 1280, 1600, num_heads * 32, num_heads * 128):
-        head_dim = n_embd // num_heads
-        tiles = prefill_config(head_dim, dtype)
-        assert min(tiles.block_m, tiles.block_n, head_dim) >= MIN_DOT_DIM or head_dim < MIN_DOT_DIM
-        assert tiles.block_m & (tiles.block_m - 1) == 0 and tiles.block_n & (tiles.block_n - 1) == 0
 
 
 def test_configs_refuse_tiles_the_gpu_compiler_rejects():

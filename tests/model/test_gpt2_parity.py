@@ -116,15 +116,34 @@ def test_pickle_only_checkpoints_are_refused(tmp_path):
         )
 
 
-def test_dummy_presets_have_the_released_shapes():
-    shapes = {name: (c.n_layer, c.n_embd, c.n_head) for name, c in DUMMY_PRESETS.items()}
-    assert shapes == {
-        "gpt2": (12, 768, 12),
-        "gpt2-medium": (24, 1024, 16),
-        "gpt2-large": (36, 1280, 20),
-        "gpt2-xl": (48, 1600, 25),
-    }
-    assert all(c.vocab_size == 50257 and c.n_positions == 1024 for c in DUMMY_PRESETS.values())
+# What Hugging Face's num_parameters() reports for the released checkpoints (the lm_head is
+# tied to wte), an oracle independent of any shape table: a wrong depth, width, vocabulary,
+# context or MLP size changes the count. Every released size has 64-wide heads.
+RELEASED_PARAMETERS = {
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+}
+RELEASED_HEAD_DIM = 64
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_PARAMETERS))
+def test_dummy_presets_build_the_released_models(name):
+    """load_format="dummy" with a preset name builds a model of the released size (built on
+    the meta device: no memory, no weights)."""
+    with torch.device("meta"):
+        model = load_model(
+            name, "dummy", TorchAttentionBackend(), torch.device("meta"), torch.float32, 0
+        ).model
+    assert sum(p.numel() for p in model.parameters()) == RELEASED_PARAMETERS[name]
+    assert model.config.head_dim == RELEASED_HEAD_DIM
+
+
+def test_the_small_preset_is_transformers_default_gpt2():
+    from transformers import GPT2Config as HFConfig
+
+    assert DUMMY_PRESETS["gpt2"] == GPT2Config.from_hf_dict(HFConfig().to_dict())
 
 
 def test_dummy_weights_build_any_config_and_are_seeded(tmp_path):

@@ -1,9 +1,12 @@
 """The embedded default model: loadable by transformers, served when no --model is given."""
 
 import json
+import math
 
 import httpx
+import tokenizers
 import torch
+from safetensors import safe_open
 
 from octavo.engine import LLM, SamplingParams
 from octavo.server.cli import DEFAULT_MODEL, DEFAULT_MODEL_NAME
@@ -12,18 +15,40 @@ from tests.server.conftest import live_server
 PROMPTS = ["The for statement", "A class definition", "Exceptions are"]
 
 
-def test_default_model_files_and_size():
-    names = {p.name for p in DEFAULT_MODEL.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+def gpt2_parameters(config: dict) -> int:
+    """GPT-2's parameter count from its config (lm_head tied to wte, MLP 4x wide)."""
+    d, layers = config["n_embd"], config["n_layer"]
+    per_layer = 12 * d * d + 13 * d  # attention 4d^2 + 4d, MLP 8d^2 + 5d, two LayerNorms 4d
+    return (config["vocab_size"] + config["n_positions"]) * d + layers * per_layer + 2 * d
+
+
+def test_default_model_files_agree_and_the_weights_are_small():
+    """The embedded model is what training.json says was trained, its tokenizer covers the
+    vocabulary, and the wheel carries 1-5 M float16 parameters, nothing else."""
     config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    trained = json.loads((DEFAULT_MODEL / "training.json").read_text())
     assert config["model_type"] == "gpt2"
+    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        assert config[key] == trained[key], key
+    tokenizer = tokenizers.Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == config["vocab_size"]
+    assert tokenizer.id_to_token(config["eos_token_id"]) is not None
+    weights = DEFAULT_MODEL / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        names = f.keys()
+        shapes = {name: f.get_slice(name).get_shape() for name in names}
+        dtypes = {f.get_slice(name).get_dtype() for name in names}
+    count = sum(math.prod(shape) for shape in shapes.values())
+    assert count == gpt2_parameters(config) and 1e6 <= count <= 5e6
+    assert dtypes == {"F16"}
+    header = weights.stat().st_size - 2 * count  # safetensors: a JSON header, then the data
+    assert 0 < header < 16 << 10
 
 
 def test_default_model_greedy_equals_transformers():
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    assert 1e6 <= sum(p.numel() for p in hf.parameters()) <= 5e6
     llm = LLM(model=str(DEFAULT_MODEL), dtype="float32", device="cpu", num_blocks=256)
     tokenizer = llm.get_tokenizer()
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)

@@ -2,6 +2,7 @@
 encoded exactly as the pydantic shape of the same response would be."""
 
 import json
+import re
 
 import pytest
 
@@ -25,14 +26,50 @@ from octavo.server.stream_chunks import (
 from octavo.server.streaming import SSE_DONE, sse_event
 
 
-def test_sse_event_is_one_data_line_and_a_blank_line():
-    chunk = CompletionResponse(
-        id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text="a\nb")]
+def parse_sse(stream: bytes) -> list[str]:
+    """The data of each event a browser's EventSource would dispatch (WHATWG HTML, "Server-sent
+    events", interpreting an event stream): lines end at CRLF, LF or CR; a blank line
+    dispatches the event; `data:` lines (one optional space after the colon) append to its
+    data, joined by LF; other fields and comments are ignored."""
+    events, data, dispatched = [], [], True
+    for line in re.split(r"\r\n|\n|\r", stream.decode("utf-8")):
+        if not line:
+            if data:
+                events.append("\n".join(data))
+            data, dispatched = [], True
+            continue
+        dispatched = False
+        field, _, value = line.partition(":")
+        if field == "data":
+            data.append(value.removeprefix(" "))
+    assert dispatched, "the stream ends inside an event, which a client would drop"
+    return events
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a\nb",
+        "carriage\rreturn",
+        "crlf\r\n\r\nblank",
+        "\u2028\u2029 separators",
+        "data: [DONE]\n\n",
+    ],
+)
+def test_an_event_carries_its_payload_whole_to_an_sse_parser(text):
+    """Line breaks in the payload must not end the data line (nor, as a blank line, the
+    event): a spec-following parser gets back exactly the payload, one event per call."""
+    first = CompletionResponse(
+        id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text=text)]
     )
-    event = sse_event(chunk)
-    assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
-    assert event.count(b"\n") == 2  # the newline inside the text is JSON-escaped
-    assert SSE_DONE == b"data: [DONE]\n\n"
+    second = first.model_copy(update={"id": "cmpl-2"})
+    events = parse_sse(sse_event(first) + sse_event(second) + SSE_DONE)
+    assert len(events) == 3
+    assert [json.loads(e) for e in events[:2]] == [
+        first.model_dump(mode="json"),
+        second.model_dump(mode="json"),
+    ]
+    assert events[2] == "[DONE]"
 
 
 LOGPROBS = Logprobs(
