@@ -1,8 +1,10 @@
-"""A step that fails ends the server (issue 11): the in-flight request gets an OpenAI-shaped
-error, the server stops instead of answering 503 forever, and `octavo serve` would exit 1."""
+"""A step that fails ends the server: every request in flight gets an OpenAI-shaped 503 (a
+stream an error event, then [DONE]), the server stops instead of answering 503 forever, and
+`octavo serve` would exit 1."""
 
 import asyncio
-import time
+import json
+import threading
 
 import httpx
 import uvicorn
@@ -10,22 +12,34 @@ import uvicorn
 from octavo.engine import EngineConfig
 from octavo.engine.async_engine import AsyncEngine
 from octavo.server.app import create_app
-from octavo.server.cli import GracefulServer
+from octavo.server.graceful_server import GracefulServer
 from octavo.server.serving_engine import ServerConfig
 from tests.server.conftest import free_port
 
 SERVE_TIMEOUT_S = 60
-STEP_DELAY_S = 0.5
+FAULT = "injected step fault"
+
+
+def assert_engine_died(body: dict) -> None:
+    """The error a request in flight when the core died gets (serving_engine.engine_error
+    of the EngineStoppedError that AsyncEngine puts on every open stream)."""
+    error = body["error"]
+    assert error["type"] == "service_unavailable_error", error
+    assert error["message"].startswith("the engine core died: ") and FAULT in error["message"]
+    assert error["param"] is None and error["code"] is None
 
 
 def test_a_step_fault_answers_the_request_and_stops_the_server(tiny_model_dir):
     engine = AsyncEngine.in_process(
         EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=64), 8
     )
+    both_submitted = threading.Event()
 
     def broken_step(output):
-        time.sleep(STEP_DELAY_S)  # both requests below are in flight when the step fails
-        raise RuntimeError("injected step fault")
+        # The first step holds until both requests below are queued, so both are in flight
+        # (a stream already answered 200) when it fails; neither has a token yet.
+        both_submitted.wait(SERVE_TIMEOUT_S)
+        raise RuntimeError(FAULT)
 
     engine.client.core.runner.execute_async = broken_step
     port = free_port()
@@ -40,19 +54,24 @@ def test_a_step_fault_answers_the_request_and_stops_the_server(tiny_model_dir):
             await asyncio.sleep(0.05)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
-            plain, streamed = await asyncio.gather(
+            requests = asyncio.gather(
                 client.post("/v1/completions", json=body),
                 client.post("/v1/completions", json=body | {"stream": True}),
             )
+            while engine.num_waiting < 2:  # both sent to the core, which is in its step
+                await asyncio.sleep(0.01)
+            both_submitted.set()
+            plain, streamed = await requests
         await asyncio.wait_for(serving, timeout=SERVE_TIMEOUT_S)
         return plain, streamed
 
     plain, streamed = asyncio.run(main())
     assert plain.status_code == 503, plain.text
-    assert "injected step fault" in plain.json()["error"]["message"]
-    # The stream ended with an error event (or was refused if the engine was already dead).
-    if streamed.status_code == 200:
-        assert '"error"' in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
-    else:
-        assert streamed.status_code == 503
+    assert_engine_died(plain.json())
+    # The stream was answered (200) when it was queued: it ends with one error event and
+    # [DONE], never cut off.
+    assert streamed.status_code == 200, streamed.text
+    error_event, done, end = streamed.text.split("\n\n")
+    assert done == "data: [DONE]" and end == ""
+    assert_engine_died(json.loads(error_event.removeprefix("data: ")))
     assert server.engine_failed
