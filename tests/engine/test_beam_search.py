@@ -61,12 +61,24 @@ def hf_beam_search(hf, prompt: list[int], params: BeamSearchParams):
 
 @pytest.fixture(scope="module")
 def cases(hf_eos):
-    return [make_case(seed, hf_eos.config.vocab_size) for seed in range(NUM_CASES)]
+    cases = [make_case(seed, hf_eos.config.vocab_size) for seed in range(NUM_CASES)]
+    # A precondition of the parity tests, not a test: the seeds reach every grid value.
+    assert {p.beam_width for _, p in cases} == set(WIDTHS)
+    assert {p.length_penalty for _, p in cases} == set(LENGTH_PENALTIES)
+    assert {str(p.early_stopping) for _, p in cases} == {"True", "False", "never"}
+    return cases
 
 
 @pytest.fixture(scope="module")
 def expected(hf_eos, cases):
-    return [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
+    expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
+    stopped = sum(
+        bool(seq) and len(seq) < p.max_tokens
+        for (_, p), (seqs, _) in zip(cases, expected, strict=True)
+        for seq in seqs
+    )
+    assert stopped > 100, "a precondition: EOS must end many of the oracle's hypotheses early"
+    return expected
 
 
 def assert_same(outputs, expected, cases):
@@ -77,18 +89,6 @@ def assert_same(outputs, expected, cases):
             # Relative for large scores: with length_penalty -1 a score is the sum of the
             # log-probs times the length, and float32 spacing there exceeds 1e-4 itself.
             assert ours == pytest.approx(theirs, abs=1e-4, rel=1e-6), f"case {i}"
-
-
-def test_the_oracle_cases_cover_the_grid(cases, expected):
-    assert {p.beam_width for _, p in cases} == set(WIDTHS)
-    assert {p.length_penalty for _, p in cases} == set(LENGTH_PENALTIES)
-    assert {str(p.early_stopping) for _, p in cases} == {"True", "False", "never"}
-    stopped = sum(
-        seq[-1:] != [] and len(seq) < p.max_tokens
-        for (_, p), (seqs, _) in zip(cases, expected, strict=True)
-        for seq in seqs
-    )
-    assert stopped > 100, "EOS must end many hypotheses early"
 
 
 @pytest.mark.parametrize(
