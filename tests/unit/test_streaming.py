@@ -2,7 +2,6 @@
 encoded exactly as the pydantic shape of the same response would be."""
 
 import json
-import re
 
 import pytest
 
@@ -24,26 +23,7 @@ from octavo.server.stream_chunks import (
     jsonable,
 )
 from octavo.server.streaming import SSE_DONE, sse_event
-
-
-def parse_sse(stream: bytes) -> list[str]:
-    """The data of each event a browser's EventSource would dispatch (WHATWG HTML, "Server-sent
-    events", interpreting an event stream): lines end at CRLF, LF or CR; a blank line
-    dispatches the event; `data:` lines (one optional space after the colon) append to its
-    data, joined by LF; other fields and comments are ignored."""
-    events, data, dispatched = [], [], True
-    for line in re.split(r"\r\n|\n|\r", stream.decode("utf-8")):
-        if not line:
-            if data:
-                events.append("\n".join(data))
-            data, dispatched = [], True
-            continue
-        dispatched = False
-        field, _, value = line.partition(":")
-        if field == "data":
-            data.append(value.removeprefix(" "))
-    assert dispatched, "the stream ends inside an event, which a client would drop"
-    return events
+from tests.sse import parse_sse
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
-"""Every client mistake gets an OpenAI-shaped 4xx (never a 500) and leaks nothing."""
+"""Every client mistake gets an OpenAI-shaped 4xx (never a 500) and leaks nothing (the app
+in-process)."""
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, live_server
+from tests.server.conftest import MODEL_NAME
+from tests.server.inprocess.conftest import InProcessServer
 
 GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
 
@@ -52,77 +54,64 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"model": None}, "model"),
     ],
 )
-def test_invalid_parameters_are_400_naming_the_parameter(server, change, param):
+def test_invalid_parameters_are_400_naming_the_parameter(http, change, param):
     body = {k: v for k, v in (GOOD | change).items() if v is not None}
-    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    response = http.post("/v1/completions", json=body)
     assert_error(response, 400, param)
 
 
-def test_malformed_json_and_wrong_types_are_400(server):
-    url = f"{server.base_url}/v1/completions"
-    assert_error(
-        httpx.post(
-            url, content=b"{not json", timeout=30, headers={"content-type": "application/json"}
-        ),
-        400,
-    )
-    assert_error(
-        httpx.post(
-            url, content=b"[1, 2]", timeout=30, headers={"content-type": "application/json"}
-        ),
-        400,
-    )
+def test_malformed_json_and_wrong_types_are_400(http):
+    headers = {"content-type": "application/json"}
+    for content in (b"{not json", b"[1, 2]"):
+        assert_error(http.post("/v1/completions", content=content, headers=headers), 400)
 
 
-def test_unknown_model_is_404(server):
-    response = httpx.post(
-        f"{server.base_url}/v1/completions", json=GOOD | {"model": "gpt-4"}, timeout=30
-    )
+def test_unknown_model_is_404(http):
+    response = http.post("/v1/completions", json=GOOD | {"model": "gpt-4"})
     error = assert_error(response, 404, "model")
     assert error["code"] == "model_not_found"
 
 
-def test_unknown_route_is_an_openai_shaped_404(server):
-    assert_error(httpx.get(f"{server.base_url}/v1/nothing", timeout=30), 404)
+def test_unknown_route_is_an_openai_shaped_404(http):
+    assert_error(http.get("/v1/nothing"), 404)
 
 
-def test_oversized_body_is_413(server):
+def test_oversized_body_is_413(http):
     body = b'{"model": "tiny", "prompt": "' + b"a" * (5 << 20) + b'"}'
-    response = httpx.post(
-        f"{server.base_url}/v1/completions",
-        content=body,
-        timeout=30,
-        headers={"content-type": "application/json"},
+    response = http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
     )
     assert_error(response, 413)
 
 
-def test_errors_leave_the_server_idle_and_serving(server):
+def test_errors_leave_the_server_idle_and_serving(app_server, http):
     for _ in range(3):
-        httpx.post(f"{server.base_url}/v1/completions", json=GOOD | {"top_p": 9}, timeout=30)
-    ok = httpx.post(f"{server.base_url}/v1/completions", json=GOOD, timeout=30)
+        http.post("/v1/completions", json=GOOD | {"top_p": 9})
+    ok = http.post("/v1/completions", json=GOOD)
     assert ok.status_code == 200
-    metrics = server.metrics()
+    metrics = app_server.metrics()
     assert metrics["octavo:num_requests_running"] == 0
     assert metrics["octavo:num_requests_waiting"] == 0
 
 
-def test_the_openai_client_raises_bad_request(server):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+def test_the_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="Hi", temperature=-2)
     assert info.value.body["param"] == "temperature"
 
 
-def test_api_key_is_required_when_set(tiny_model_dir, tmp_path):
-    with live_server(tiny_model_dir, tmp_path, "--api-key", "sekrit") as secured:
-        url = f"{secured.base_url}/v1/completions"
-        assert_error(httpx.post(url, json=GOOD, timeout=30), 401)
+def test_api_key_is_required_when_set(tiny_model_dir):
+    secured = InProcessServer(tiny_model_dir, api_key="sekrit")
+    try:
+        http = secured.http
+        assert_error(http.post("/v1/completions", json=GOOD), 401)
         wrong = {"Authorization": "Bearer nope"}
-        assert_error(httpx.post(url, json=GOOD, headers=wrong, timeout=30), 401)
-        assert_error(httpx.get(f"{secured.base_url}/v1/models", timeout=30), 401)
+        assert_error(http.post("/v1/completions", json=GOOD, headers=wrong), 401)
+        assert_error(http.get("/v1/models"), 401)
         good = {"Authorization": "Bearer sekrit"}
-        assert httpx.post(url, json=GOOD, headers=good, timeout=30).status_code == 200
-        assert httpx.get(f"{secured.base_url}/health", timeout=30).status_code == 200
-        client = openai.OpenAI(base_url=f"{secured.base_url}/v1", api_key="sekrit", max_retries=0)
+        assert http.post("/v1/completions", json=GOOD, headers=good).status_code == 200
+        assert http.get("/health").status_code == 200
+        client = secured.openai(api_key="sekrit")
         assert client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
+    finally:
+        secured.close()
