@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import MODEL_NAME, live_server
-from tests.server.test_errors import assert_error
+from tests.server.openai_errors import assert_error
 from tests.server.test_load_and_disconnect import wait_for_idle
 
 GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}

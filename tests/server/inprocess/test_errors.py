@@ -1,26 +1,14 @@
 """Every client mistake gets an OpenAI-shaped 4xx (never a 500) and leaks nothing (the app
 in-process)."""
 
-import httpx
 import openai
 import pytest
 
 from tests.server.conftest import MODEL_NAME
 from tests.server.inprocess.conftest import InProcessServer
+from tests.server.openai_errors import assert_error
 
 GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 @pytest.mark.parametrize(
