@@ -48,8 +48,8 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 from octavo.benchmarks.common import git_commit  # noqa: E402
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server  # noqa: E402
-from octavo.server.cli import DEFAULT_MODEL  # noqa: E402
 from octavo.server.ray_serve.messages import REPLICA_HEADER  # noqa: E402
+from octavo.server.server_args import DEFAULT_MODEL  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OWN_TOKENS = 16  # after a shared prefix, per request

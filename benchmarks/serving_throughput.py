@@ -52,7 +52,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from octavo.benchmarks.common import git_commit
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
-from octavo.server.cli import DEFAULT_MODEL
+from octavo.server.server_args import DEFAULT_MODEL
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_NAME = "bench"

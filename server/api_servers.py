@@ -19,7 +19,6 @@ events) makes the supervisor drain the others and exit non-zero too.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -36,6 +35,8 @@ from types import FrameType
 
 from octavo.engine.core_client import CORE_EXIT_TIMEOUT_S, SharedCore
 from octavo.engine.core_process import SERVER_STOP_SIGNALS, CoreAddresses, run_engine_core
+from octavo.server.launch import PROMETHEUS_DIR_ENV, build_server, model_threads, run_http_server
+from octavo.server.server_args import ServerArgs
 
 # What the supervisor sends its API processes for each stop signal it receives: a signal
 # neither a terminal nor systemd sends on its own.
@@ -45,20 +46,11 @@ LISTEN_BACKLOG = 2048
 logger = logging.getLogger(__name__)
 
 
-def serve_with_api_servers(args: argparse.Namespace, count: int) -> int:
+def serve_with_api_servers(args: ServerArgs, count: int) -> int:
     """Runs the supervisor until every API process has exited; the exit status: 0 when all
     drained cleanly, else the first non-zero status of an API process (1: the core died; 2:
     it could not start)."""
-    from octavo.server.cli import (
-        PROMETHEUS_DIR_ENV,
-        default_model_threads,
-        engine_config_from_args,
-    )
-
-    engine_config = engine_config_from_args(args)
-    model_threads = None
-    if engine_config.torch_device.type == "cpu":
-        model_threads = args.torch_threads or default_model_threads(engine_config)
+    threads = model_threads(args)
     try:
         sockets = [_listening_socket(args.host, args.port) for _ in range(count)]
     except OSError as exc:
@@ -72,7 +64,7 @@ def serve_with_api_servers(args: argparse.Namespace, count: int) -> int:
     context = multiprocessing.get_context("spawn")
     core = context.Process(
         target=run_engine_core,
-        args=(engine_config, addresses, model_threads, os.getpid()),
+        args=(args.engine, addresses, threads, os.getpid()),
         name="octavo-engine-core",
     )
     children: list[BaseProcess] = [core]
@@ -146,18 +138,16 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_api_server(args: argparse.Namespace, shared: SharedCore, sock: socket.socket) -> None:
-    """An API process (a spawn target): the app of `octavo serve`'s flags over the shared
-    core, on `sock`; drains on DRAIN_SIGNAL and ignores the stop signals (module docstring).
-    Exits 0 once drained, 1 if the core died, 2 if it could not start."""
+def run_api_server(args: ServerArgs, shared: SharedCore, sock: socket.socket) -> None:
+    """An API process (a spawn target): the app of `args` over the shared core, on `sock`;
+    drains on DRAIN_SIGNAL and ignores the stop signals (module docstring). Exits 0 once
+    drained, 1 if the core died, 2 if it could not start."""
     for signum in SERVER_STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[api {shared.client_index}]: %(message)s",
     )
-    from octavo.server.cli import build_server, run_http_server
-
     try:
         engine, app = build_server(args, shared)
     except ValueError as exc:

@@ -12,7 +12,6 @@ dies. A client that disconnects cancels the forwarded call; the replica's app th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -28,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from octavo.engine.heap import freeze_startup_heap
 from octavo.server.errors import APIError
 from octavo.server.http_guards import body_too_large
+from octavo.server.launch import build_server
 from octavo.server.ray_serve.asgi_bridge import call_asgi
 from octavo.server.ray_serve.messages import (
     REPLICA_HEADER,
@@ -37,6 +37,7 @@ from octavo.server.ray_serve.messages import (
 )
 from octavo.server.ray_serve.replica_metrics import PUBLISH_PERIOD_S, ReplicaMetrics
 from octavo.server.ray_serve.routing import routing_key
+from octavo.server.server_args import ServerArgs
 from octavo.server.streaming import SSE_DONE, sse_event
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,8 @@ logger = logging.getLogger(__name__)
 class EngineReplica:
     """One `octavo serve` (engine core process and app) inside a Ray Serve replica."""
 
-    async def __init__(self, args: argparse.Namespace):  # type: ignore[misc]
+    async def __init__(self, args: ServerArgs):  # type: ignore[misc]
         # Async: Ray Serve awaits it on the replica's event loop, which the engine joins.
-        from octavo.server.cli import build_server
-
         self._engine, self._app = build_server(args)
         self._engine.start()
         self._grace_seconds = args.shutdown_grace_seconds

@@ -1,13 +1,13 @@
-"""Builds the Ray Serve application from `octavo serve` flags, and runs it.
+"""Builds the Ray Serve application from `ServerArgs`, and runs it.
 
 `octavo serve --ray ...` calls `serve_on_ray`; `serve run` / `serve deploy` with a config
 file call `app_builder` (its `args` are the same flags, by name: `{"model": "gpt2",
-"num_replicas": 2}`), so both mean exactly what `octavo serve` means.
+"num_replicas": 2}`, read by `ServerArgs.from_config`), so both mean exactly what
+`octavo serve` means.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import threading
@@ -20,6 +20,7 @@ from ray.serve.config import AutoscalingConfig
 
 from octavo.server.ray_serve.deployments import EngineReplica, Ingress
 from octavo.server.ray_serve.routing import PrefixAffinityRouter
+from octavo.server.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +29,17 @@ APP_NAME = "octavo"
 INGRESS_CPUS = 0
 
 
-def build_app(args: argparse.Namespace) -> Application:
+def build_app(args: ServerArgs) -> Application:
     """The ingress bound to `--num-replicas` engine replicas (or autoscaling up to
-    `--max-replicas`), each reserving one GPU on CUDA or its CPUs on CPU."""
-    from octavo.server.cli import engine_config_from_args
-
+    `--max-replicas`), each reserving one GPU on CUDA or its CPUs on CPU. ValueError: Ray
+    settings that cannot run."""
     if args.num_replicas < 1:
         raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
         raise ValueError("--max-replicas must be >= --num-replicas")
     if not args.stream_batching_ms >= 0:
         raise ValueError(f"--stream-batching-ms must be >= 0, got {args.stream_batching_ms}")
-    config = engine_config_from_args(args)
+    config = args.engine
     cuda = config.torch_device.type == "cuda"
     cpus = args.num_cpus_per_replica
     if cpus is None:
@@ -83,29 +83,15 @@ def build_app(args: argparse.Namespace) -> Application:
     return ingress.bind(replicas, args.max_body_bytes)
 
 
-def app_builder(flags: dict[str, Any]) -> Application:
+def app_builder(config: dict[str, Any]) -> Application:
     """`serve run octavo.server.ray_serve.launch:app_builder model=gpt2 num_replicas=2`, or a
-    config file's `args`: each key is an `octavo serve` flag (underscores or dashes), each
-    value its argument (true for a bare flag)."""
-    return build_app(parse_flags(flags))
+    config file's `args`: each key an `octavo serve` flag (underscores or dashes), each value
+    its argument (`ServerArgs.from_config`). ValueError: an unknown key or a bad value,
+    named."""
+    return build_app(ServerArgs.from_config(config))
 
 
-def parse_flags(flags: dict[str, Any]) -> argparse.Namespace:
-    from octavo.server.cli import build_parser
-
-    argv = ["serve"]
-    for name, value in flags.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            argv.append("--no-" + name.replace("_", "-"))
-        elif value is not None:
-            argv += [flag, str(value)]
-    return build_parser().parse_args(argv)
-
-
-def serve_on_ray(args: argparse.Namespace) -> int:
+def serve_on_ray(args: ServerArgs) -> int:
     """Joins (or starts) Ray, serves the app on --host/--port until SIGINT or SIGTERM, then
     shuts it down (in-flight requests get --shutdown-grace-seconds)."""
     started_here = not ray.is_initialized()
@@ -116,7 +102,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         logging_config={"log_level": args.log_level.upper()},
     )
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-    logger.info("serving %s on http://%s:%d through Ray Serve", args.model, args.host, args.port)
+    logger.info(
+        "serving %s on http://%s:%d through Ray Serve", args.engine.model, args.host, args.port
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

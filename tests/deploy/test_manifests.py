@@ -14,7 +14,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from octavo.server.ray_serve.launch import app_builder, parse_flags
+from octavo.server.ray_serve.launch import app_builder
+from octavo.server.server_args import ServerArgs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CRD_SCHEMA = Path(__file__).resolve().parent / "schemas" / "ray.io_rayservices.v1.spec.json"
@@ -74,7 +75,7 @@ def serve_config(document: dict) -> ServeDeploySchema:
 
 def test_the_serve_config_is_a_valid_octavo_application():
     config = serve_config(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
-    args = parse_flags(config.applications[0].args)
+    args = ServerArgs.from_config(config.applications[0].args)
     assert (args.num_replicas, args.max_replicas, args.routing) == (2, 4, "prefix")
 
 
@@ -83,8 +84,8 @@ def test_the_rayservice_manifest_is_valid_and_gives_each_replica_a_gpu():
     assert rayservice_errors(manifest) == []
     spec = manifest["spec"]
     config = serve_config(yaml.safe_load(spec["serveConfigV2"]))
-    args = parse_flags(config.applications[0].args)
-    assert args.device == "cuda"
+    args = ServerArgs.from_config(config.applications[0].args)
+    assert args.engine.device == "cuda"
     (gpu_group,) = spec["rayClusterConfig"]["workerGroupSpecs"]
     (container,) = gpu_group["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"  # one replica per pod
@@ -93,9 +94,11 @@ def test_the_rayservice_manifest_is_valid_and_gives_each_replica_a_gpu():
     assert spec["rayClusterConfig"]["rayVersion"] == "2.60.0"
 
 
-def test_a_bad_flag_in_a_serve_config_is_refused():
-    with pytest.raises(SystemExit):
+def test_a_bad_flag_in_a_serve_config_is_refused_by_name():
+    with pytest.raises(ValueError, match="'no_such_flag'"):
         app_builder({"no_such_flag": 1})
+    with pytest.raises(ValueError, match="'num_replicas' must be int"):
+        app_builder({"num_replicas": "two"})
 
 
 def test_ray_flags_are_checked():

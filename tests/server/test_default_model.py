@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from octavo.engine import LLM, SamplingParams
-from octavo.server.cli import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from octavo.server.server_args import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from tests.server.conftest import live_server
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are"]

@@ -19,8 +19,9 @@ from ray import serve
 
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.core_messages import EngineStats
-from octavo.server.ray_serve.launch import APP_NAME, build_app, parse_flags
+from octavo.server.ray_serve.launch import APP_NAME, build_app
 from octavo.server.ray_serve.messages import REPLICA_HEADER, ReplicaStats
+from octavo.server.server_args import ServerArgs
 from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, core_pid, free_port
 
 NUM_REPLICAS = 2
@@ -40,7 +41,7 @@ def ray_endpoint(tiny_model_dir):
     ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = parse_flags(
+        args = ServerArgs.from_config(
             {
                 "model": tiny_model_dir,
                 "served_model_name": MODEL_NAME,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from octavo.engine.async_engine import ABORT_DRAIN_SECONDS
-from octavo.server.cli import DEFAULT_MODEL_NAME
+from octavo.server.server_args import DEFAULT_MODEL_NAME
 from tests.server.conftest import (
     MODEL_NAME,
     STREAM_TIMEOUT_S,

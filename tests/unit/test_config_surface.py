@@ -6,9 +6,18 @@ import dataclasses
 import pytest
 
 from octavo import LLM, EngineConfig
-from octavo.server.cli import build_parser, engine_config_from_args
+from octavo.server.cli import build_parser
+from octavo.server.dataclass_flags import from_flags
+from octavo.server.server_args import ServerArgs
 
 FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """What `octavo serve` or `octavo generate` runs the engine with."""
+    if args.command == "serve":
+        return ServerArgs.from_cli_args(args).engine
+    return from_flags(EngineConfig, vars(args))
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

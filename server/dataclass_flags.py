@@ -1,0 +1,219 @@
+"""Frozen dataclasses as command-line flags and as config mappings.
+
+Each field is one flag named after it (`--max-num-seqs` for max_num_seqs) whose type,
+default, choices and help come from the field: its annotation (`int | None` parses as int,
+a `Literal` gives the choices), its default, and its metadata ("help", "choices", and
+"group": the help section the flag is listed under). A field whose type is itself a
+dataclass contributes its fields as flags of their own (flat: `--max-num-seqs`, not
+`--engine.max-num-seqs`), so the flag names form one flat namespace.
+
+The same fields read a mapping of flag names to values (a Ray Serve config's `args`) field by
+field: `config_values` converts each value as the flag's parser would and refuses an unknown
+name or a value of the wrong type with an error that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# A bool flag's value in a config may also be one of these words: `serve run app:builder
+# enforce_eager=true` passes every value as a string.
+_BOOL_WORDS = {"true": True, "false": False}
+
+T = TypeVar("T", bound="DataclassInstance")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One field as a flag: its `name` (the field's, and the parsed namespace's attribute),
+    the type its value parses as (`kind`: bool, int, float or str), its `choices` (None:
+    any), and the field itself (default and metadata)."""
+
+    name: str
+    kind: type
+    choices: tuple[Any, ...] | None
+    field: dataclasses.Field
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def help(self) -> str | None:
+        return self.field.metadata.get("help")
+
+
+def flags(cls: type) -> dict[str, Flag]:
+    """Every flag of dataclass `cls` by name, in field order, those of nested dataclass
+    fields in their place."""
+    found: dict[str, Flag] = {}
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            found.update(flags(typing.cast(type, hint)))
+            continue
+        kind, choices = _kind_and_choices(hint)
+        if "choices" in field.metadata:
+            choices = tuple(field.metadata["choices"])
+        found[field.name] = Flag(field.name, kind, choices, field)
+    return found
+
+
+def _default(field: dataclasses.Field) -> Any:
+    """The field's default (made by its factory if it has one), or MISSING."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def _kind_and_choices(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
+    """The parsed type of an annotation and its Literal choices: `int | None` -> int,
+    `Literal["a", "b"]` -> (str, ("a", "b"))."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return type(args[0]), tuple(args)
+    if len(args) == 1:  # Optional[X]
+        return _kind_and_choices(args[0])
+    return hint, None
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    defaults: Any = None,
+) -> None:
+    """Adds one flag per field of `cls` to `parser`, each defaulting to the field's value in
+    `defaults` (an instance of `cls`), or without one to the field's default (a field
+    without a default is then a required flag). A field with metadata "group" (a nested
+    dataclass field included) is listed under that help section, made on first use. A bool
+    that is off by default is `--name`; one on (or decided later) by default also has
+    `--no-name`."""
+    _add(parser, parser, cls, defaults, {})
+
+
+def _add(
+    root: argparse.ArgumentParser | argparse._ArgumentGroup,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    defaults: Any,
+    sections: dict[str, argparse._ArgumentGroup],
+) -> None:
+    """`add_flags`, with `parser` where ungrouped flags go and `root` where sections are
+    made (a nested dataclass's flags go to its field's section)."""
+    hints = typing.get_type_hints(cls)
+    own = flags(cls)
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        target = parser
+        if "group" in field.metadata:
+            title = field.metadata["group"]
+            if title not in sections:
+                sections[title] = root.add_argument_group(title)
+            target = sections[title]
+        hint = hints[field.name]
+        default = getattr(defaults, field.name) if defaults is not None else _default(field)
+        if dataclasses.is_dataclass(hint):
+            nested = None if default is dataclasses.MISSING else default
+            _add(root, target, typing.cast(type, hint), nested, sections)
+        else:
+            _add_flag(target, own[field.name], default)
+
+
+def _add_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: Flag, default: Any
+) -> None:
+    options: dict[str, Any] = {"help": flag.help}
+    if flag.choices is not None:
+        options["choices"] = list(flag.choices)
+    if flag.kind is bool:
+        action = argparse.BooleanOptionalAction if default is not False else "store_true"
+        parser.add_argument(flag.option, action=action, default=default, **options)
+    elif default is dataclasses.MISSING:
+        parser.add_argument(flag.option, type=flag.kind, required=True, **options)
+    else:
+        parser.add_argument(flag.option, type=flag.kind, default=default, **options)
+
+
+def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:
+    """An instance of `cls` from flag values by name (a parsed namespace's `vars`, or
+    `config_values`): a field missing from `values` keeps its default, a nested dataclass
+    field is its default with the values given for its own fields replaced (names that are
+    no flag of `cls` are ignored). The dataclasses' own checks run (ValueError)."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            nested = typing.cast(type, hint)
+            own = {name: values[name] for name in flags(nested) if name in values}
+            default = _default(field)
+            if default is not dataclasses.MISSING:
+                kwargs[field.name] = dataclasses.replace(default, **own)
+            elif own:
+                kwargs[field.name] = nested(**own)
+        elif field.name in values:
+            kwargs[field.name] = values[field.name]
+    return cls(**kwargs)
+
+
+def config_values(cls: type, config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The flag values of a config mapping, by field name: keys are flag names with
+    underscores or dashes, values what the flag's argument would be (a bool for a bool
+    flag; a number, or a string the flag's type parses); null keeps the default. An unknown
+    key, a value of the wrong type or outside the choices is a ValueError naming the key
+    and `source` (what the mapping is, for the message)."""
+    known = flags(cls)
+    values: dict[str, Any] = {}
+    for key, value in config.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"{source}: unknown option {key!r} (each key is an `octavo serve` flag, "
+                "see `octavo serve --help`)"
+            )
+        if value is not None:
+            values[name] = _config_value(known[name], key, value, source)
+    return values
+
+
+def _config_value(flag: Flag, key: Any, value: Any, source: str) -> Any:
+    """`value` as `flag`'s type, or a ValueError naming `key`. A string converts as the
+    flag's argument would; a bool fits only a bool flag, and a float no int flag."""
+    if isinstance(value, str):
+        converted = value if flag.kind is str else _parse(flag.kind, value)
+    elif isinstance(value, bool):
+        converted = value if flag.kind is bool else None
+    elif isinstance(value, (int, float)) and flag.kind is not bool:
+        fits = isinstance(value, int) or flag.kind is not int
+        converted = flag.kind(value) if fits else None
+    else:
+        converted = None
+    if converted is None:
+        raise ValueError(f"{source}: {key!r} must be {flag.kind.__name__}, got {value!r}")
+    if flag.choices is not None and converted not in flag.choices:
+        raise ValueError(f"{source}: {key!r} must be one of {list(flag.choices)}, got {value!r}")
+    return converted
+
+
+def _parse(kind: type, text: str) -> Any:
+    """`text` as a `kind` (None if it is not one)."""
+    if kind is bool:
+        return _BOOL_WORDS.get(text.strip().lower())
+    try:
+        return kind(text)
+    except ValueError:
+        return None

@@ -1,0 +1,189 @@
+"""From `ServerArgs` to a running server: the engine, the app and the uvicorn server of
+`octavo serve`, the defaults that depend on the machine or the model (API processes, the
+engine core's torch threads, --max-n, allowed hosts), and the choice between one process,
+--api-server-count processes and Ray Serve."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
+from octavo.engine.config import EngineConfig
+from octavo.engine.core_client import SharedCore
+from octavo.engine.heap import freeze_startup_heap
+from octavo.engine.worker.models.weights import load_model_config
+from octavo.server.graceful_server import GracefulServer
+from octavo.server.http_guards import LOOPBACK_HOSTS, http_with_header_timeout
+from octavo.server.server_args import (
+    API_KEY_ENV,
+    DEFAULT_MAX_N_SHARE,
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_NAME,
+    MAX_DEFAULT_API_SERVERS,
+    MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES,
+    ServerArgs,
+)
+
+# prometheus-client's multiprocess folder (set by the --api-server-count supervisor, or by a
+# user who runs several servers): /metrics then adds up every process's histograms.
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+logger = logging.getLogger(__name__)
+
+
+def launch_server(args: ServerArgs) -> int:
+    """`octavo serve`: runs the server `args` describe until it is stopped; the exit status
+    (0: drained cleanly; 1: the engine core died). ValueError: a setting that cannot run."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.ray:
+        from octavo.server.ray_serve.launch import serve_on_ray
+
+        return serve_on_ray(args)
+    if args.api_server_count is not None and args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    api_servers = args.api_server_count or default_api_server_count(args.engine)
+    if api_servers > 1:
+        if args.inprocess_engine:
+            raise ValueError("--api-server-count > 1 needs the engine core in its own process")
+        from octavo.server.api_servers import serve_with_api_servers
+
+        return serve_with_api_servers(args, api_servers)
+    engine, app = build_server(args)
+    return run_http_server(args, engine, app)
+
+
+def run_http_server(
+    args: ServerArgs,
+    engine: AsyncEngine,
+    app: FastAPI,
+    sock: socket.socket | None = None,
+    stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> int:
+    """Serves `app` with uvicorn on --host/--port (or on `sock`, already listening) until a
+    stop signal drains it; the exit status: 1 if the engine core died, else 0."""
+    # After the engine's grace and abort drain, connections still open (a stream nobody
+    # reads) are closed: SIGTERM always ends the process.
+    close_after_s = args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # Annotated int, but handed to asyncio.wait_for, which takes fractional seconds.
+        timeout_graceful_shutdown=close_after_s,  # type: ignore[arg-type]
+        http=http_with_header_timeout(args.header_timeout_seconds),
+        limit_concurrency=args.limit_concurrency,
+    )
+    server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds, stop_signals)
+    freeze_startup_heap()
+    server.run(sockets=None if sock is None else [sock])
+    if server.engine_failed:
+        logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
+        return 1
+    return 0
+
+
+def build_server(
+    args: ServerArgs, shared_core: SharedCore | None = None
+) -> tuple[AsyncEngine, FastAPI]:
+    """The engine (not started) and the app of `args`: what one server process runs, alone,
+    as one of several API processes of a `shared_core`, or as a Ray Serve replica."""
+    from octavo.server.app import create_app
+    from octavo.server.chat_template import load_chat_template
+    from octavo.server.serving_engine import ServerConfig
+
+    engine_config = args.engine
+    # Before the engine starts: a bad template ends the command with its message.
+    chat_template = load_chat_template(
+        args.chat_template, engine_config.model, engine_config.load_format
+    )
+    threads = model_threads(args)
+    if shared_core is not None:
+        torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
+        engine = AsyncEngine.sharing(engine_config, args.max_num_waiting, shared_core)
+    elif args.inprocess_engine:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        engine = AsyncEngine.in_process(engine_config, args.max_num_waiting)
+    else:
+        torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
+        engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, threads)
+    model = engine_config.model
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if Path(model) == DEFAULT_MODEL else model)
+    config = ServerConfig(
+        served_model_name=name,
+        model_root=str(model),
+        api_key=_api_key(args.api_key),
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+        max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
+        allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
+        chat_template=chat_template,
+        metrics_dir=os.environ.get(PROMETHEUS_DIR_ENV),
+    )
+    return engine, create_app(engine, config)
+
+
+def default_api_server_count(config: EngineConfig) -> int:
+    """--api-server-count's default. On CPU one: the engine core's torch threads take the
+    other cores. On CUDA the core needs one core for its host loop, and one API process
+    streams a fraction of a GPU engine's tokens at one token per event (benchmarks/README,
+    "Streaming at the engine's speed"); so as many as the cores allow beside the core's and
+    one for the system, up to MAX_DEFAULT_API_SERVERS."""
+    if config.torch_device.type != "cuda":
+        return 1
+    cores = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, cores - 2))
+
+
+def model_threads(args: ServerArgs) -> int | None:
+    """The engine core's torch threads: --torch-threads, else `default_model_threads` on
+    CPU; None on CUDA (the device runs the model)."""
+    if args.engine.torch_device.type != "cpu":
+        return None
+    return args.torch_threads or default_model_threads(args.engine)
+
+
+def default_model_threads(config: EngineConfig) -> int:
+    """The engine core's torch threads on CPU: every core for a model whose tokens cost far
+    more than the API process's ~30 us of CPU per streamed token; all cores but one for a
+    small one, whose token rate would keep a core of API work busy (and whose many short ops
+    leave OpenMP threads spinning against it). Measured on 2 cores with
+    benchmarks/serving_throughput.py (benchmarks/README.md): a 6x512 GPT-2 keeps 67% of
+    offline throughput with 1 thread and 97-115% with 2; a 1x16 one 94% with 1 and 46% with 2.
+    """
+    cores = os.cpu_count() or 1
+    model = load_model_config(config.model, config.load_format)
+    if model.flops_per_token >= MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES:
+        return cores
+    return max(1, cores - 1)
+
+
+def _allowed_hosts(flag: str | None, bind_host: str) -> tuple[str, ...] | None:
+    """--allowed-hosts as a tuple ("*" or None: any); by default the loopback names when
+    bound to a loopback address (DNS rebinding), any host otherwise."""
+    if flag is not None:
+        hosts = tuple(h.strip() for h in flag.split(",") if h.strip())
+        return None if "*" in hosts else hosts
+    if bind_host in LOOPBACK_HOSTS or bind_host.startswith("127."):
+        return (*LOOPBACK_HOSTS, bind_host)
+    return None
+
+
+def _api_key(flag: str | None) -> str | None:
+    """--api-key, else $OCTAVO_API_KEY, else no auth; an empty key is refused (it would
+    otherwise silently turn authentication off)."""
+    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"--api-key / ${API_KEY_ENV} must not be empty")
+    return key
