@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,9 @@ def test_profile_decode_smoke_writes_its_result(tmp_path):
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert row["step_ms_median"] > 0 and row["profiled_step_ms"] > 0
+        assert row["output_tokens_per_s"] == pytest.approx(
+            row["batch"] / (row["step_ms_median"] / 1e3)
+        )
         # No CUDA device: no GPU-busy figure and no roofline, never a made-up one.
         assert row["gpu_busy_fraction"] is None and row["fraction_of_roofline"] is None
         assert row["bytes_per_step"] > 0

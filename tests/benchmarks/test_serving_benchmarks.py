@@ -7,8 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "1"]
+
+
+def short_commit() -> str | None:
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)  # fmt: skip
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def run(script: str, result_file: Path, *args: str) -> dict:
@@ -27,9 +35,13 @@ def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_pat
     tokens = result["offline"]["completion_tokens"]
     assert 6 * 5 <= tokens <= 6 * 9  # each request's length drawn from 5-9
     assert set(result["served"]) == {"streamed", "inprocess", "unstreamed", "interval8"}
+    offline_rate = result["offline"]["tokens_per_s"]
+    assert offline_rate == pytest.approx(tokens / result["offline"]["wall_s"])
     for mode, served in result["served"].items():
         assert served["failed"] == 0 and served["completion_tokens"] == tokens, mode
-        assert served["kept_of_offline"] > 0
+        assert served["tokens_per_s"] == pytest.approx(tokens / served["wall_s"]), mode
+        assert served["kept_of_offline"] == pytest.approx(served["tokens_per_s"] / offline_rate)
+    assert result["commit"] == short_commit()
     assert result["served"]["unstreamed"]["events"] == 0
     # Per stream at interval 8: the first token, the rest (at most 8), usage and [DONE].
     assert 3 * 6 <= result["served"]["interval8"]["events"] <= 4 * 6
@@ -42,7 +54,11 @@ def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):
     )  # fmt: skip
     (only,) = result["runs"]
     assert only["failed"] == 0 and only["completion_tokens"] == 60
-    assert only["api_cpu_us_per_token"] > 0 and only["tokens_per_event"] >= 1
+    assert only["api_cpu_us_per_token"] == pytest.approx(only["api_cpu_s"] / 60 * 1e6)
+    # Events that carry tokens: each stream's usage event and [DONE] carry none.
+    assert only["tokens_per_event"] == pytest.approx(60 / (only["events"] - 2 * 3))
+    assert only["tokens_per_s"] == pytest.approx(60 / only["wall_s"])
+    assert result["commit"] == short_commit()
 
 
 def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path):
