@@ -29,7 +29,7 @@ Metrics per configuration:
     both systems share both numerators, so both ratios equal octavo tok/s / hf tok/s;
   * KV bytes copied per step, averaged over the max_tokens generation steps of the batch:
       - Octavo: the copy-on-write pairs of every engine step (`scheduler_output.blocks_to_copy`,
-        recorded by wrapping `llm.engine.runner.execute_async` on the instance), each moving one
+        recorded by a step observer of the engine core), each moving one
         block of every layer's K and V = `ModelRunner.kv_bytes_per_block(...)` bytes; total
         over the run / max_tokens (also kept: per engine step, and the largest step);
       - HF: after each of the max_tokens steps its beam search calls
@@ -102,6 +102,7 @@ from octavo.benchmarks.common import (  # noqa: E402
 )
 from octavo.engine import LLM, BeamSearchParams
 from octavo.engine.config import DTYPES
+from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -292,23 +293,19 @@ def finish_timing(result: SystemResult, outputs: list[list[int]], cfg: Config) -
 
 
 class StepRecorder:
-    """Wraps `llm.engine.runner.execute_async` (instance attribute) to record, per engine step, the
-    copy-on-write pairs copied and the KV blocks in use."""
+    """A step observer of the engine core that records, per engine step, the copy-on-write
+    pairs copied and the KV blocks in use."""
 
     def __init__(self, llm: LLM):
         self.block_manager = llm.engine.block_manager
         self.copies: list[int] = []
         self.blocks_in_use: list[int] = []
-        runner = llm.engine.runner
-        inner = runner.execute_async
+        llm.engine.core.step_observers.append(self._observe)
 
-        def execute(scheduler_output):
-            bm = self.block_manager
-            self.copies.append(len(scheduler_output.blocks_to_copy))
-            self.blocks_in_use.append(bm.num_usable_blocks - bm.num_free_blocks)
-            return inner(scheduler_output)
-
-        runner.execute_async = execute
+    def _observe(self, scheduler_output: SchedulerOutput) -> None:
+        bm = self.block_manager
+        self.copies.append(len(scheduler_output.blocks_to_copy))
+        self.blocks_in_use.append(bm.num_usable_blocks - bm.num_free_blocks)
 
     def reset(self) -> None:
         self.copies.clear()

@@ -48,8 +48,8 @@ import torch
 
 from octavo.benchmarks.common import git_commit
 from octavo.engine.config import EngineConfig
-from octavo.engine.core_messages import EngineCoreRequest
 from octavo.engine.engine_core import EngineCore
+from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
 from octavo.engine.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -146,9 +146,11 @@ def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[st
     instrument(core, timer)
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    inputs = InputProcessor(None, core.limits)
     for i in range(batch):
         prompt = [rng.randrange(args.vocab - 1) for _ in range(args.prompt_len)]
-        core.add_request(EngineCoreRequest(str(i), prompt, time.monotonic(), params))
+        processed = ProcessedPrompt(None, prompt)
+        core.add_request(inputs.core_request(str(i), processed, params, time.monotonic()))
     steps = []
     while core.has_unfinished_requests():
         timer.totals.clear()

@@ -11,7 +11,7 @@ overhead), rotating over enough input sets that K/V come from device memory, not
 --sweep also times every decode launch config x split factor over a grid of batch x
 context, and prefill tile configs, to pick the heuristics from.
 
-Goals (issue 5): decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
+Goals: decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
 prefill >= 80% of SDPA's TFLOP/s.
 
     .venv/bin/python benchmarks/kernel_bench.py            # needs a CUDA device

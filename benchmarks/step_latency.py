@@ -8,7 +8,7 @@ systems), `batch` prompts of --prompt-len random token ids, greedy, EOS ignored.
     --warmup-steps decode steps are dropped; the median and p90 of the rest are reported.
   * hf: `model.generate` on the same batch (no padding), max_new_tokens = min_new_tokens =
     --steps; time per token = wall time / steps (its one prefill is amortised in it).
-Goal (issue 5): a GPT-2 small decode step at batch 1 under 1 ms with CUDA graphs.
+Goal: a GPT-2 small decode step at batch 1 under 1 ms with CUDA graphs.
 
     .venv/bin/python benchmarks/step_latency.py --device cuda --dtype float16
     .venv/bin/python benchmarks/step_latency.py --smoke --result-file /tmp/s.json

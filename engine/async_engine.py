@@ -244,7 +244,7 @@ class AsyncEngine:
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time
         )
-        request = InputProcessor.core_request(request_id, prompt, params, arrival_time)
+        request = self.input_processor.core_request(request_id, prompt, params, arrival_time)
         self._pending.requests.append(request)
         self._num_requests_sent += 1
         self._schedule_flush()

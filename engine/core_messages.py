@@ -16,11 +16,13 @@ from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A validated request; exactly one of sampling_params / beam_params is set."""
+    """A validated request; exactly one of sampling_params / beam_params is set.
+    `all_stop_token_ids`: the tokens that end its samples (`stop_rules.stop_token_set`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     arrival_time: float
+    all_stop_token_ids: list[int]
     sampling_params: SamplingParams | None = None
     beam_params: BeamSearchParams | None = None
 
@@ -53,8 +55,9 @@ class EngineCoreInputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # gc=False on the records built per row per step (they never take part in a reference cycle):
-# untracked, they do not count toward the collector's thresholds, and the collections they
-# set off cost 0.14 ms of a 1.8 ms step at batch 256 (benchmarks/host_overhead.py).
+# untracked, they do not count toward the collector's thresholds, so they set off no
+# collections, which otherwise cost a visible share of a large batch's step
+# (benchmarks/host_overhead.py).
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one sample of a request gained in a step.
 

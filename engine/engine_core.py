@@ -14,24 +14,24 @@ import torch
 
 from octavo import kernels
 from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from octavo.engine.core.beam_state import BeamState, Hypothesis, normalized_score
+from octavo.engine.core.beam_state import BeamState
 from octavo.engine.core.block_manager import BlockManager
-from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
+from octavo.engine.core.request_outputs import final_output, refused_output
+from octavo.engine.core.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from octavo.engine.core.sequence import Sequence, SequenceGroup
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import (
-    BeamResult,
     EngineCoreInputs,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
     ModelLimits,
-    SampleDelta,
 )
 from octavo.engine.errors import ParameterError
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams
 from octavo.engine.step_io import SchedulerOutput
+from octavo.engine.stop_rules import length_limit
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
 from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
@@ -59,8 +59,8 @@ class EngineCore:
     """Owns model, KV cache, scheduler and sampler; `step()` advances every running request.
 
     Requests come validated (the front end checked them against `limits`); a request the core
-    still cannot take (a duplicate id, a seed its generator refuses) raises ValueError in
-    `add_request` and disturbs nobody else.
+    still cannot take (a duplicate id) raises ValueError in `add_request` and disturbs nobody
+    else.
     """
 
     def __init__(self, config: EngineConfig):
@@ -100,13 +100,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.block_manager,
-            StopChecker(self.max_model_len, self.eos_token_id),
+            StopChecker(self.eos_token_id),
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
             loaded.model,
             backend,
-            Sampler(self.eos_token_id, generator),
+            Sampler(generator),
             num_blocks,
             config.block_size,
             config.max_num_seqs,
@@ -127,12 +127,16 @@ class EngineCore:
         self._groups: dict[str, SequenceGroup] = {}
         self._num_requests_added = 0
         # Async scheduling: the step launched last, applied after the next one is launched.
-        self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
+        self._in_flight: tuple[ScheduledStep, StepFuture] | None = None
         # Requests that need every token on the host before their next step is scheduled
         # (beam search, penalties and bad words, which read the output so far; prompt
         # logprobs, read on the host as they are computed):
         # while one runs, steps are applied before the next.
         self._sync_only: set[str] = set()
+        # Called with each step's worker input just before it launches: a way to watch
+        # steps, or to fail one as a model fault would (an observer that raises fails the
+        # step, and the engine's fatal path follows).
+        self.step_observers: list[Callable[[SchedulerOutput], None]] = []
 
     def _default_num_blocks(
         self, model: GPT2LMHeadModel, backend: AttentionBackend, dtype: torch.dtype
@@ -165,20 +169,21 @@ class EngineCore:
                 "request_id", f"request_id {request.request_id!r} is already in use"
             )
         params = request.params
+        num_prompt_tokens = len(request.prompt_token_ids)
+        max_num_tokens = length_limit(num_prompt_tokens, params.max_tokens, self.max_model_len)
         group = SequenceGroup(
             request.request_id,
-            None,
             request.prompt_token_ids,
             params,
             request.arrival_time,
-            self.device,
+            frozenset(request.all_stop_token_ids),
+            max_num_tokens,
         )
         if isinstance(params, BeamSearchParams):
-            room = self.max_model_len - len(request.prompt_token_ids)
             group.beam = BeamState.create(
-                params, self.eos_token_id, max(min(params.max_tokens, room), 1)
+                params, request.all_stop_token_ids, max(max_num_tokens - num_prompt_tokens, 1)
             )
-        seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids, group.generators[0])
+        seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids)
         group.seqs.append(seq)
         self._groups[request.request_id] = group
         if (
@@ -196,7 +201,7 @@ class EngineCore:
         group = self.scheduler.abort(request_id)
         self._groups.pop(request_id, None)
         self._sync_only.discard(request_id)
-        return None if group is None else self._final_output(group, [])
+        return None if group is None else final_output(group, [])
 
     def abort_sample(self, request_id: str, index: int) -> None:
         """Stops one sample (the front end matched a stop string and finished it already)."""
@@ -213,8 +218,7 @@ class EngineCore:
             try:
                 self.add_request(request)
             except Exception as exc:  # noqa: BLE001 -- refuses this request, not the loop
-                error = f"{type(exc).__name__}: {exc}"
-                outputs.append(EngineCoreOutput(request.request_id, finished=True, error=error))
+                outputs.append(refused_output(request.request_id, exc))
         for request_id in inputs.aborts:
             final = self.abort_request(request_id)
             if final is not None:
@@ -265,7 +269,13 @@ class EngineCore:
             outputs += self._apply_step(*self._in_flight)
             self._in_flight = None
         scheduled = self.scheduler.schedule()
-        launched = None if scheduled.is_empty else self.runner.execute_async(scheduled)
+        launched = None
+        if scheduled.output.is_empty:  # nothing to run; the worker still hears what ended
+            self.runner.input_batch.apply_changes(scheduled.output)
+        else:
+            for observe in self.step_observers:
+                observe(scheduled.output)
+            launched = self.runner.execute_async(scheduled.output)
         if self._in_flight is not None:  # the previous step, applied while this one runs
             outputs += self._apply_step(*self._in_flight)
         self._in_flight = None if launched is None else (scheduled, launched)
@@ -274,51 +284,13 @@ class EngineCore:
             self._in_flight = None
         return EngineCoreOutputs(outputs, self.stats())
 
-    def _apply_step(
-        self, scheduled: SchedulerOutput, launched: StepFuture
-    ) -> list[EngineCoreOutput]:
-        """Applies a step's results; the outputs of the requests that progressed."""
+    def _apply_step(self, scheduled: ScheduledStep, launched: StepFuture) -> list[EngineCoreOutput]:
+        """Applies a step's results; the outputs of the requests that progressed or ended."""
         update = self.scheduler.update(scheduled, launched.result())
-        outputs = update.progressed
-        for group, samples in update.finished:
+        for group in update.finished:
             del self._groups[group.request_id]
             self._sync_only.discard(group.request_id)
-            outputs.append(self._final_output(group, samples))
-        if update.prompt_logprobs:  # with the request's output of the step, or alone
-            chunks = update.prompt_logprobs
-            for output in outputs:
-                output.prompt_logprobs = chunks.pop(output.request_id, None)
-            outputs += [
-                EngineCoreOutput(rid, prompt_logprobs=chunk)
-                for rid, chunk in chunks.items()
-                if rid in self._groups  # not aborted meanwhile
-            ]
-        return outputs
-
-    def _final_output(self, group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
-        """A finished request's last output: this step's samples, an "abort"/"error" end for
-        samples that never got one, and a beam search's hypotheses."""
-        ended = {s.index for s in samples}
-        params = group.sampling_params
-        logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
-        for seq in group.seqs:
-            if seq.index not in ended and seq.status.finish_reason in ("abort", "error"):
-                cumulative = seq.cumulative_logprob if logprobs else None
-                # A final_only sample's tokens were held back: its end brings them all.
-                tokens = seq.output_token_ids if group.final_only else []
-                samples.append(
-                    SampleDelta(seq.index, tokens, cumulative, None, seq.status.finish_reason)
-                )
-        return EngineCoreOutput(
-            group.request_id,
-            samples=samples if group.beam is None else [],
-            finished=True,
-            error=group.error,
-            beams=_beam_results(group) if group.beam is not None else None,
-            first_scheduled_time=group.first_scheduled_time,
-            first_token_time=group.first_token_time,
-            num_cached_tokens=group.num_cached_tokens,
-        )
+        return update.outputs
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -335,27 +307,3 @@ class EngineCore:
             num_prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             num_prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
         )
-
-
-def _beam_results(group: SequenceGroup) -> list[BeamResult]:
-    """The best num_return_sequences hypotheses, best first. A search aborted before any
-    hypothesis finished reports its live beams, best first, with finish_reason "abort" (or
-    "error" for a search that failed)."""
-    params, beam = group.sampling_params, group.beam
-    assert isinstance(params, BeamSearchParams) and beam is not None
-    hypotheses = beam.hypotheses()
-    if not hypotheses:
-        reason = "abort" if group.error is None else "error"
-        hypotheses = [
-            Hypothesis(
-                seq.output_token_ids,
-                cumulative,
-                normalized_score(cumulative, max(seq.num_output_tokens, 1), params.length_penalty),
-                reason,
-            )
-            for seq, cumulative in zip(group.seqs, beam.running_scores.tolist(), strict=False)
-        ]
-    return [
-        BeamResult(h.token_ids, h.cumulative_logprob, h.score, h.finish_reason)
-        for h in hypotheses[: params.num_return_sequences]
-    ]

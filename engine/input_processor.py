@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
 from octavo.engine.errors import ParameterError
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.stop_rules import length_limit, stop_token_set
 from octavo.engine.tokenizer import Tokenizer
 
 
@@ -54,16 +55,25 @@ class InputProcessor:
                 found.append(spaced)
         return found
 
-    @staticmethod
     def core_request(
+        self,
         request_id: str,
         prompt: ProcessedPrompt,
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
     ) -> EngineCoreRequest:
+        """The request the core takes: with its stop tokens computed, once, here."""
+        stops = self._stop_token_ids(params)
         if isinstance(params, BeamSearchParams):
-            return EngineCoreRequest(request_id, prompt.token_ids, arrival_time, beam_params=params)
-        return EngineCoreRequest(request_id, prompt.token_ids, arrival_time, sampling_params=params)
+            return EngineCoreRequest(
+                request_id, prompt.token_ids, arrival_time, stops, beam_params=params
+            )
+        return EngineCoreRequest(
+            request_id, prompt.token_ids, arrival_time, stops, sampling_params=params
+        )
+
+    def _stop_token_ids(self, params: SamplingParams | BeamSearchParams) -> list[int]:
+        return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_id)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -100,7 +110,7 @@ class InputProcessor:
                 "stop_token_ids", f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}"
             )
         if isinstance(params, BeamSearchParams):
-            stops = len(params.stop_token_ids) + (0 if params.ignore_eos else 1)
+            stops = len(self._stop_token_ids(params))
             if max(2, 1 + stops) * params.beam_width > vocab:
                 raise ParameterError(
                     "beam_width",
@@ -135,7 +145,7 @@ class InputProcessor:
                 f"({limits.max_num_seqs}): its sequences run together",
             )
         # Each group must fit alone even after a preemption undoes its prompt sharing.
-        longest = min(len(prompt_ids) + params.max_tokens, limits.max_model_len)
+        longest = length_limit(len(prompt_ids), params.max_tokens, limits.max_model_len)
         blocks = num_seqs * -(-longest // limits.block_size)
         if blocks > limits.num_usable_blocks:
             raise ParameterError(

@@ -84,7 +84,7 @@ class LLMEngine:
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_inputs(prompt, params)
         arrival_time = arrival_time or time.monotonic()
-        request = InputProcessor.core_request(request_id, prompt, params, arrival_time)
+        request = self.input_processor.core_request(request_id, prompt, params, arrival_time)
         self.core.add_request(request)
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time

@@ -21,7 +21,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from octavo.engine.core.stop_checker import find_stop_string
 from octavo.engine.core_messages import (
     BeamResult,
     EngineCoreOutput,
@@ -30,6 +29,7 @@ from octavo.engine.core_messages import (
 )
 from octavo.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.stop_strings import find_stop_string
 from octavo.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -286,16 +286,16 @@ class OutputProcessor:
                 and len(sample.token_ids) >= params.min_tokens
                 and not stop_token
             ):
-                decision = find_stop_string(
+                match = find_stop_string(
                     sample.detokenizer.text,
                     len(new_text),
                     params.stop_strings,
                     params.include_stop_str_in_output,
                 )
-                if decision is not None:
-                    sample.text_end = decision.text_end
-                    sample.finish_reason = decision.finish_reason
-                    sample.stop_reason = decision.stop_reason
+                if match is not None:
+                    sample.text_end = match.text_end
+                    sample.finish_reason = "stop"
+                    sample.stop_reason = match.stop
                     return
         if delta.finish_reason is not None:
             sample.finish_reason = delta.finish_reason

@@ -1,10 +1,12 @@
 """The core <-> worker boundary of one step: what the scheduler asks the model runner to
 compute (`SchedulerOutput`) and what comes back (`ModelRunnerOutput`).
 
-The worker reads only the fields documented as its own: token ids, positions, block tables
-and, per sampling row, the request's parameters. It never touches the BlockManager. Every row
-of a runner output names the sequence it belongs to, so the scheduler applies results by
-name instead of recounting rows in the runner's order.
+Data only, ids and diffs (vLLM's NewRequestData / CachedRequestData): the worker never sees a
+core object. It keeps what it needs across steps itself: a block-table row per sequence,
+rewritten from the tables this contract carries when they change, and the sampling state of
+each sequence it samples for, built from `NewSampledSequence` and dropped when the sequence is
+listed finished. Every row of a runner output names the sequence it belongs to, so the
+scheduler applies results by name instead of recounting rows in the runner's order.
 """
 
 from __future__ import annotations
@@ -14,61 +16,59 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from octavo.engine.core.sequence import Sequence, SequenceGroup
 from octavo.engine.core_messages import PromptLogprobs
 from octavo.engine.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
-class SamplingRequest:
-    """One row of logits to sample: the sequence that receives the token and its request's
-    parameters (the sampler reads its generator, output count and tokens for penalties)."""
-
-    params: SamplingParams
-    seq: Sequence
-
-
 class PromptLogprobsSpan(msgspec.Struct, frozen=True):
     """Positions [start, end) of a scheduled chunk whose logits score the next prompt token
-    (token p + 1 at position p), each with the `num_top` most likely tokens there."""
+    (token p + 1 at position p, `targets[p - start]`), each with the `num_top` most likely
+    tokens there."""
 
     start: int
     end: int
     num_top: int
+    targets: list[int]
+
+
+class NewSampledSequence(msgspec.Struct, frozen=True, gc=False):
+    """A sequence the worker samples for the first time (a prompt's end, or a sample forked
+    off it): its request's parameters, its prompt (repetition penalty), its place among the
+    request's samples (a seeded request's sample i draws from seed + i) and its stop tokens
+    (kept from being drawn before min_tokens). The worker keeps the state this starts,
+    through preemption, until the sequence is listed finished."""
+
+    seq_id: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    sample_index: int
+    stop_token_ids: list[int]
 
 
 # gc=False: one per scheduled sequence per step, never in a cycle (see SampleDelta).
 class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
-    """One sequence's work in a step: tokens [start, start + num_new_tokens) of `token_ids`.
+    """One sequence's work in a step: positions [start, start + num_new_tokens).
 
-    Worker fields: `seq_id`, `token_ids` (the sequence's list, read-only; with async
-    scheduling a decode's input token at `start` may not be in it yet: the previous step
-    sampled it and the worker takes it from the device), `start`,
-    `num_new_tokens`, `block_table` (the BlockManager's table of the sequence, read-only and
-    valid for this step), `samples` (the rows sampled from the last computed position: `seq`
-    itself, or `seq` and the children forked from it this step -- an n > 1 prompt is computed
-    once and sampled n times) and `beam_top_k` (> 0: the position feeds beam search, which
-    needs this many best next tokens), `prompt_logprobs` (positions of the chunk whose
-    prompt-token log-probabilities the request asked for). Core fields: `group`, `seq`.
+    `input_token_ids` are the tokens at those positions that the core knows: all of them,
+    except for a decode whose input token the previous step sampled and the core has not
+    received yet (async scheduling): empty then, and the worker takes it from the device.
+    `sample_seq_ids`: the sequences sampled from the last computed position (this one, or this
+    one and the samples forked off it this step: an n > 1 prompt is computed once and sampled
+    n times). `beam_top_k` > 0: the position feeds beam search, which needs this many best
+    next tokens. `prompt_logprobs`: the positions of the chunk whose prompt-token
+    log-probabilities the request asked for.
 
-    A msgspec Struct, never encoded: one is made for every sequence of every step, and its
-    C constructor costs half a dataclass's.
+    A msgspec Struct, never encoded: one is made for every sequence of every step, and its C
+    constructor costs half a dataclass's.
     """
 
     seq_id: int
-    token_ids: list[int]
     start: int
     num_new_tokens: int
-    block_table: list[int]
-    samples: tuple[SamplingRequest, ...]
-    beam_top_k: int
-    group: SequenceGroup
-    seq: Sequence
+    input_token_ids: list[int]
+    sample_seq_ids: tuple[int, ...] = ()
+    beam_top_k: int = 0
     prompt_logprobs: PromptLogprobsSpan | None = None
-
-    @property
-    def sample_seqs(self) -> list[Sequence]:
-        return [s.seq for s in self.samples]
 
 
 @dataclass
@@ -76,17 +76,21 @@ class SchedulerOutput:
     """A step's plan: sequences with one query token come first (the decode fast path).
 
     `blocks_to_copy`: copy-on-write (src, dst) block pairs to copy before any K/V is stored.
-    `changed_seq_ids`: sequences whose block tables were created or changed since the
-    previous step (the worker rereads those tables; the others it keeps from earlier steps).
+    `block_tables`: the whole table of each sequence whose table was created or changed since
+    the previous step (copies; the worker keeps the others from earlier steps).
+    `new_sampled`: sequences sampled for the first time this step.
     `freed_seq_ids`: sequences whose blocks were freed since the previous step (finished,
     aborted, preempted, pruned beams): the worker drops their rows first.
+    `finished_seq_ids`: sequences that ended since the previous step: the worker drops
+    everything it kept of them (a preempted sequence is freed, not finished).
     """
 
     scheduled: list[ScheduledSequence]
-    blocks_to_copy: list[tuple[int, int]]
-    changed_seq_ids: set[int] = field(default_factory=set)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
+    new_sampled: list[NewSampledSequence] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
-    preempted: list[SequenceGroup] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
 
     @property

@@ -10,10 +10,10 @@ import triton
 import triton.language as tl
 
 # Split-KV limits of the decode path, from kernel_bench --sweep on an H100 (GPT-2 heads,
-# fp16): splitting pays while a launch has fewer than SPLIT_BELOW_PROGRAMS_PER_SM programs
-# per SM (at batch 8 x 1024 keys, 8 splits ran 2.6x faster than one; at batch 64 and up,
-# splits only added their reduce), down to splits of one BLOCK_N tile; contexts under
-# MIN_CONTEXT_TO_SPLIT keys gained nothing from it.
+# fp16; figures in benchmarks/README): splitting pays while a launch has too few programs
+# to fill the SMs, fewer than SPLIT_BELOW_PROGRAMS_PER_SM per SM (at large batches splits
+# only add their reduce), down to splits of one BLOCK_N tile; contexts under
+# MIN_CONTEXT_TO_SPLIT keys gain nothing from it.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 MIN_CONTEXT_TO_SPLIT = 256
 MIN_KEYS_PER_SPLIT = 64
@@ -70,8 +70,8 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     return PrefillConfig(block_m=64, block_n=64, num_stages=2)
 
 
-# 64 keys per iteration with two warps: the fastest or within 5% of it at every batch >= 64
-# of the H100 sweep (batch 1-256 x 128-1024 keys, GPT-2 heads, fp16).
+# 64 keys per iteration with two warps: the best launch configuration, or close to it, at
+# every large batch of the H100 sweep (kernel_bench --sweep, GPT-2 heads, fp16).
 DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=2)
 
 

@@ -156,12 +156,10 @@ def model_threads(args: ServerArgs) -> int | None:
 
 def default_model_threads(config: EngineConfig) -> int:
     """The engine core's torch threads on CPU: every core for a model whose tokens cost far
-    more than the API process's ~30 us of CPU per streamed token; all cores but one for a
-    small one, whose token rate would keep a core of API work busy (and whose many short ops
-    leave OpenMP threads spinning against it). Measured on 2 cores with
-    benchmarks/serving_throughput.py (benchmarks/README.md): a 6x512 GPT-2 keeps 67% of
-    offline throughput with 1 thread and 97-115% with 2; a 1x16 one 94% with 1 and 46% with 2.
-    """
+    more than the API process's CPU per streamed token; all cores but one for a small one,
+    whose token rate would keep a core of API work busy (and whose many short ops leave
+    OpenMP threads spinning against it). Chosen with benchmarks/serving_throughput.py on 2
+    cores; the figures are in benchmarks/README.md."""
     cores = os.cpu_count() or 1
     model = load_model_config(config.model, config.load_format)
     if model.flops_per_token >= MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES:

@@ -151,7 +151,7 @@ class BeamSearch:
         for parent_index, _, _ in chosen:
             parent = beams[parent_index]
             if parent_index in used:  # another child of this parent: share its blocks
-                child = parent.fork(self.new_seq_id(), None, parent.index)
+                child = parent.fork(self.new_seq_id(), parent.index)
                 self.block_manager.fork(parent, child)
                 next_beams.append(child)
             else:

@@ -58,14 +58,13 @@ class BeamState:
 
     @classmethod
     def create(
-        cls, params: BeamSearchParams, eos_token_id: int | None, max_new_tokens: int
+        cls, params: BeamSearchParams, stop_token_ids: list[int], max_new_tokens: int
     ) -> BeamState:
-        stops = [] if params.ignore_eos or eos_token_id is None else [eos_token_id]
-        stops += [t for t in params.stop_token_ids if t not in stops]
+        """`stop_token_ids`: the request's stop tokens (`stop_rules.stop_token_set`)."""
         width = params.beam_width
         return cls(
             params,
-            stops,
+            list(stop_token_ids),
             max_new_tokens,
             torch.zeros(1),
             slots=[None] * width,

@@ -27,7 +27,8 @@ class _BlockNames:
 
 
 class NoFreeBlocksError(RuntimeError):
-    """Raised when an allocation is attempted without checking `can_append` first."""
+    """Raised when an allocation is attempted without checking `num_new_blocks_needed`
+    against `num_free_blocks` first."""
 
 
 class BlockManager:
@@ -122,9 +123,6 @@ class BlockManager:
         index = seq.num_computed_tokens // self.block_size
         return index < len(table) and self.ref_counts[table[index]] == 1
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
-
     def _needs_copy_on_write(self, seq: Sequence, table) -> bool:
         """True when the next token goes into an existing block that another table holds."""
         position = seq.num_computed_tokens
@@ -144,7 +142,7 @@ class BlockManager:
             del self._cached_blocks[name]
             self._block_hashes[block] = None
         else:
-            raise NoFreeBlocksError("no free KV-cache block; call can_append first")
+            raise NoFreeBlocksError("no free KV-cache block; check num_new_blocks_needed first")
         self.ref_counts[block] = 1
         return block
 

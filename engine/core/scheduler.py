@@ -6,18 +6,23 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.request_outputs import (
+    attach_prompt_logprobs,
+    final_output,
+    progress_output,
+)
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import (
     ModelRunnerOutput,
+    NewSampledSequence,
     PromptLogprobsSpan,
-    SamplingRequest,
     ScheduledSequence,
     SchedulerOutput,
 )
@@ -27,17 +32,37 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerUpdate:
-    """What a step's results did to the requests. `progressed`: the output of each sampling
-    request that gained tokens and goes on (a `final_only` request's samples say nothing until
-    they finish, then all their tokens at once). `finished`: each request that finished during
-    the step (a stop rule, a failure -- `group.error` -- or a beam search's end), with the
-    deltas of its samples that gained a token (a failed or beam search request has none here).
-    `prompt_logprobs`: what the step computed of each request's prompt logprobs."""
+    """What a step's results did to the requests. `outputs`: one per request that progressed
+    or ended in the step (`request_outputs`; a `final_only` request's samples say nothing
+    until they finish, then all their tokens at once), with its prompt logprobs of the step.
+    `finished`: the requests that ended (a stop rule, a failure -- `group.error` -- or a beam
+    search's end)."""
 
-    progressed: list[EngineCoreOutput]
-    finished: list[tuple[SequenceGroup, list[SampleDelta]]]
-    # Prompt-token log-probabilities the step computed, by request id.
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    outputs: list[EngineCoreOutput]
+    finished: list[SequenceGroup]
+
+
+@dataclass
+class ScheduledStep:
+    """A step as the core sees it: the worker's input (`output`) and, for each sequence it
+    schedules, in the same order, the core objects its results apply to (`entries`: the
+    group, the sequence, the sequences sampled from it). `preempted`: the groups preempted to
+    make room for it."""
+
+    output: SchedulerOutput
+    entries: list[tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]]
+    preempted: list[SequenceGroup]
+
+
+class _StepBuilder:
+    """The sequences of the step being scheduled, decodes apart from the rest (one query
+    token first in the batch), each with its core entry."""
+
+    def __init__(self) -> None:
+        self.decodes: list[ScheduledSequence] = []
+        self.prefills: list[ScheduledSequence] = []
+        self.decode_entries: list[tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]] = []
+        self.prefill_entries: list[tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]] = []
 
 
 @dataclass(frozen=True)
@@ -77,7 +102,10 @@ class Scheduler:
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
         self._num_running_seqs: int | None = None  # None: to be recounted
-        self._sample_rows: dict[int, tuple[SamplingRequest]] = {}  # see _sample_row
+        # Per sequence sampled so far (until it finishes): its sampling row (see _sample_row).
+        self._sample_rows: dict[int, tuple[tuple[int, ...], tuple[Sequence, ...]]] = {}
+        self._new_sampled: list[NewSampledSequence] = []  # since the last schedule()
+        self._finished_seq_ids: list[int] = []  # sampled sequences finished since then
         self._num_prompt_logprobs_spans = 0  # in the step being scheduled
         self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_cache_hits = 0  # of which were found
@@ -89,10 +117,6 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def add(self, group: SequenceGroup) -> None:
-        params = group.sampling_params
-        if isinstance(params, SamplingParams):
-            screen = self.stop_checker.screen(params, len(group.prompt_token_ids))
-            group.stop_token_screen, group.max_num_tokens = screen
         self.waiting.append(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -102,10 +126,8 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
-                    group.finished_time = time.monotonic()
                     for seq in group.unfinished_seqs:
-                        seq.status = SequenceStatus.FINISHED_ABORTED
-                        self.block_manager.free(seq)
+                        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                     return group
         return None
 
@@ -120,12 +142,10 @@ class Scheduler:
                     continue
                 for seq in group.unfinished_seqs:
                     if seq.index == index:
-                        seq.status = SequenceStatus.FINISHED_ABORTED
-                        self.block_manager.free(seq)
+                        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                 if not group.is_finished:
                     return None
                 queue.remove(group)
-                group.finished_time = time.monotonic()
                 return group
         return None
 
@@ -142,13 +162,12 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         """Plans one step and advances every scheduled sequence's `num_computed_tokens` past
         the tokens it schedules (their K/V are in the cache once the step has run)."""
         budget = self.config.max_num_batched_tokens
         self._num_prompt_logprobs_spans = 0
-        decodes: list[ScheduledSequence] = []  # one query token: first in the batch
-        prefills: list[ScheduledSequence] = []
+        step = _StepBuilder()
         preempted: list[SequenceGroup] = []
         bm = self.block_manager
         tables, ref_counts, block_size = bm.block_tables, bm.ref_counts, bm.block_size
@@ -158,8 +177,8 @@ class Scheduler:
             group = self.running[index]
             seqs = group.seqs
             if len(seqs) == 1 and group.beam is None:
-                # The steady state, inlined: one sample decoding into a block it holds alone
-                # needs no plan, allocation or copy.
+                # The steady state, checked inline: one sample decoding into a block it holds
+                # alone needs no plan, allocation or copy.
                 seq = seqs[0]
                 start = seq.num_computed_tokens
                 table = tables.get(seq.seq_id)
@@ -173,20 +192,14 @@ class Scheduler:
                     and ref_counts[table[start // block_size]] == 1
                     and group.num_sequences == 1  # no fork pending (group.needs_fork)
                 ):
-                    seq.num_computed_tokens = start + 1
-                    seq.num_pending_tokens += 1
-                    samples = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
-                    decodes.append(
-                        ScheduledSequence(
-                            seq.seq_id, seq.token_ids, start, 1, table, samples, 0, group, seq
-                        )
-                    )
+                    row = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
+                    self._schedule_seq(step, group, seq, 1, row)
                     budget -= 1
                     index += 1
                     continue
             self._num_running_seqs = None  # a fork, a finish or a preemption may follow
             seqs = group.unfinished_seqs
-            if len(seqs) <= budget and self._decode_in_place(group, seqs, decodes):
+            if len(seqs) <= budget and self._decode_in_place(group, seqs, step):
                 budget -= len(seqs)
                 index += 1
                 continue
@@ -199,7 +212,7 @@ class Scheduler:
                     break
             if group in preempted:
                 break
-            budget -= self._commit(group, plan, decodes, prefills)
+            budget -= self._commit(group, plan, step)
             index += 1
 
         num_seqs = self.num_running_seqs if self.waiting else 0
@@ -227,19 +240,53 @@ class Scheduler:
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
-            budget -= self._commit(group, plan, decodes, prefills)
+            budget -= self._commit(group, plan, step)
 
-        changed, freed = self.block_manager.take_changes()
-        for seq_id in freed:
-            sample_rows.pop(seq_id, None)
-        return SchedulerOutput(
-            scheduled=decodes + prefills,
-            blocks_to_copy=self.block_manager.take_copies(),
-            changed_seq_ids=changed,
+        changed, freed = bm.take_changes()
+        output = SchedulerOutput(
+            scheduled=step.decodes + step.prefills,
+            blocks_to_copy=bm.take_copies(),
+            block_tables={seq_id: list(tables[seq_id]) for seq_id in changed},
+            new_sampled=self._new_sampled,
             freed_seq_ids=freed,
-            preempted=preempted,
+            finished_seq_ids=self._finished_seq_ids,
             has_prompt_logprobs=self._num_prompt_logprobs_spans > 0,
         )
+        self._new_sampled, self._finished_seq_ids = [], []
+        return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
+
+    def _schedule_seq(
+        self,
+        step: _StepBuilder,
+        group: SequenceGroup,
+        seq: Sequence,
+        num_new: int,
+        samples: tuple[tuple[int, ...], tuple[Sequence, ...]] = ((), ()),
+        beam_top_k: int = 0,
+    ) -> None:
+        """Schedules tokens [num_computed_tokens, + num_new) of `seq` (the one place a step's
+        sequence is made) and advances it past them; `samples`: the ids and sequences sampled
+        from its last position, each of which gets a pending token."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + num_new
+        sample_ids, sample_seqs = samples
+        for sampled in sample_seqs:
+            sampled.num_pending_tokens += 1
+        item = ScheduledSequence(
+            seq_id=seq.seq_id,
+            start=start,
+            num_new_tokens=num_new,
+            input_token_ids=seq.token_ids[start : start + num_new],
+            sample_seq_ids=sample_ids,
+            beam_top_k=beam_top_k,
+            prompt_logprobs=self._prompt_logprobs_span(group, start, num_new),
+        )
+        if num_new == 1:
+            step.decodes.append(item)
+            step.decode_entries.append((group, seq, sample_seqs))
+        else:
+            step.prefills.append(item)
+            step.prefill_entries.append((group, seq, sample_seqs))
 
     def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
         """Gives a sequence about to be admitted the cached blocks of its longest prefix and
@@ -276,7 +323,7 @@ class Scheduler:
             self.num_prefix_cache_hits += num_cached
 
     def _decode_in_place(
-        self, group: SequenceGroup, seqs: list[Sequence], decodes: list[ScheduledSequence]
+        self, group: SequenceGroup, seqs: list[Sequence], step: _StepBuilder
     ) -> bool:
         """The steady state, without planning: when every live sequence of `group` decodes
         one token into a block it already holds alone, schedules them all and returns True;
@@ -290,37 +337,35 @@ class Scheduler:
             if seq.num_pending_tokens and self._ends_pending(group, seq):
                 return False
         beam = group.beam
-        top_k = 0 if beam is None else beam.candidates_needed
-        tables = bm.block_tables
         for seq in seqs:
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens = start + 1
-            samples = () if beam is not None else self._sample_row(group, seq)
-            seq.num_pending_tokens += len(samples)
-            decodes.append(
-                ScheduledSequence(
-                    seq.seq_id, seq.token_ids, start, 1, tables[seq.seq_id], samples, top_k,
-                    group, seq,
-                )
-            )  # fmt: skip
+            if beam is None:
+                self._schedule_seq(step, group, seq, 1, self._sample_row(group, seq))
+            else:
+                self._schedule_seq(step, group, seq, 1, beam_top_k=beam.candidates_needed)
         return True
 
-    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> tuple[SamplingRequest]:
-        """The sampling row of `seq` (of a sampling request), built once: every step that
-        samples the sequence reuses it until its blocks are freed."""
+    def _sample_row(
+        self, group: SequenceGroup, seq: Sequence
+    ) -> tuple[tuple[int, ...], tuple[Sequence, ...]]:
+        """The sampling row of `seq` (of a sampling request): built, and announced to the
+        worker (`NewSampledSequence`), the first time it is sampled; reused by every step
+        after until it finishes."""
         row = self._sample_rows.get(seq.seq_id)
         if row is None:
-            row = self._sample_rows[seq.seq_id] = (SamplingRequest(group.sampling, seq),)
+            row = self._sample_rows[seq.seq_id] = ((seq.seq_id,), (seq,))
+            self._new_sampled.append(
+                NewSampledSequence(
+                    seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
+                    list(group.stop_token_ids),
+                )
+            )  # fmt: skip
         return row
 
     def _ends_pending(self, group: SequenceGroup, seq: Sequence) -> bool:
         """True when the pending tokens of `seq` already bring it to max_tokens or
         max_model_len: it will finish on them, so computing past them would be waste (and
         past max_model_len, positions the model does not have)."""
-        num_tokens = len(seq.token_ids) + seq.num_pending_tokens
-        if num_tokens >= self.stop_checker.max_model_len:
-            return True
-        return num_tokens - len(seq.prompt_token_ids) >= group.sampling_params.max_tokens
+        return len(seq.token_ids) + seq.num_pending_tokens >= group.max_num_tokens
 
     def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """How many tokens each unfinished sequence of `group` computes within `budget`."""
@@ -364,11 +409,7 @@ class Scheduler:
         return sum(bm.num_new_blocks_needed(s, n) for s, n in plan) <= bm.num_free_blocks
 
     def _commit(
-        self,
-        group: SequenceGroup,
-        plan: list[tuple[Sequence, int]],
-        decodes: list[ScheduledSequence],
-        prefills: list[ScheduledSequence],
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: _StepBuilder
     ) -> int:
         """Allocates the planned slots, advances the sequences, forks n > 1 samples off a
         completed prompt; returns the number of tokens scheduled."""
@@ -376,28 +417,24 @@ class Scheduler:
         beam = group.beam
         for seq, num_new in plan:
             bm.append_slots(seq, num_new)
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens = start + num_new
-            samples: tuple[SamplingRequest, ...] = ()
-            top_k = 0
-            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending_tokens:
-                if beam is not None:
-                    top_k = beam.candidates_needed
-                else:
-                    samples = self._sample_row(group, seq)
-                    if group.needs_fork:
-                        samples += tuple(
-                            self._sample_row(group, c)[0] for c in self._fork(group, seq)
-                        )
-                    for request in samples:
-                        request.seq.num_pending_tokens += 1
-            elif beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
-                self._share_recomputed_prompt(group, seq)
-            item = ScheduledSequence(
-                seq.seq_id, seq.token_ids, start, num_new, bm.block_tables[seq.seq_id],
-                samples, top_k, group, seq, self._prompt_logprobs_span(group, start, num_new),
-            )  # fmt: skip
-            (decodes if num_new == 1 else prefills).append(item)
+            reaches_end = (
+                seq.num_computed_tokens + num_new == len(seq.token_ids) + seq.num_pending_tokens
+            )
+            if reaches_end and beam is not None:
+                self._schedule_seq(step, group, seq, num_new, beam_top_k=beam.candidates_needed)
+            elif reaches_end:
+                sample_ids, sample_seqs = self._sample_row(group, seq)
+                if group.needs_fork:
+                    children = self._fork(group, seq)
+                    for child in children:  # the prompt this step completes is theirs too
+                        child.num_computed_tokens += num_new
+                    sample_ids += tuple(self._sample_row(group, c)[0][0] for c in children)
+                    sample_seqs += tuple(children)
+                self._schedule_seq(step, group, seq, num_new, (sample_ids, sample_seqs))
+            else:
+                self._schedule_seq(step, group, seq, num_new)
+                if beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
+                    self._share_recomputed_prompt(group, seq)
         return sum(n for _, n in plan)
 
     def _prompt_logprobs_span(
@@ -415,13 +452,14 @@ class Scheduler:
             return None
         group.prompt_logprobs_next = end
         self._num_prompt_logprobs_spans += 1
-        return PromptLogprobsSpan(first, end, params.prompt_logprobs)
+        targets = group.prompt_token_ids[first + 1 : end + 1]
+        return PromptLogprobsSpan(first, end, params.prompt_logprobs, targets)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         children = []
         while group.needs_fork:
             index = len(group.seqs)
-            child = parent.fork(self.new_seq_id(), group.make_generator(index), index)
+            child = parent.fork(self.new_seq_id(), index)
             self.block_manager.fork(parent, child)
             group.seqs.append(child)
             children.append(child)
@@ -439,21 +477,21 @@ class Scheduler:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-        group.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(group)
 
     # -- results -----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> SchedulerUpdate:
+    def update(self, step: ScheduledStep, result: ModelRunnerOutput) -> SchedulerUpdate:
         """Appends the sampled tokens, applies stop rules, advances beam searches, frees
         finished sequences, and says what each request gained (see `SchedulerUpdate`).
 
-        Rows come in the order of `output.scheduled` and its samples; each row names its
-        sequence and a row that names another is a broken contract (AssertionError). One
-        loop does everything per row: this runs for every token of every request. Whatever
-        raises while one group is updated (sampling bookkeeping, stop checks, beam
-        arithmetic) fails that group alone (`fail`); the others are updated as usual."""
+        Rows come in the order of the step's scheduled sequences and their samples; each row
+        names its sequence and a row that names another is a broken contract
+        (AssertionError). One loop does everything per row: this runs for every token of
+        every request. Whatever raises while one group is updated (sampling bookkeeping,
+        stop checks, beam arithmetic) fails that group alone (`fail`); the others are
+        updated as usual."""
         now = time.monotonic()
         seq_ids, sampled = result.sampled_seq_ids, result.sampled
         token_ids, logprobs, top_logprobs = (
@@ -461,21 +499,17 @@ class Scheduler:
         )  # fmt: skip
         check_stop = self.stop_checker.check
         update = SchedulerUpdate([], [])
-        progressed = update.progressed
+        outputs, finished = update.outputs, update.finished
         # Groups with several samples gather their deltas here (first: their first tokens).
         gathered: dict[int, tuple[SequenceGroup, list[SampleDelta], bool]] = {}
         beam_groups: list[SequenceGroup] = []
-        any_finished = False
         row = 0
-        for item in output.scheduled:
+        for item, (group, _, sample_seqs) in zip(step.output.scheduled, step.entries, strict=True):
             if item.beam_top_k:
-                beam_groups.append(item.group)
-            if not item.samples:
+                beam_groups.append(group)
+            if not sample_seqs:
                 continue
-            group = item.group
-            params = group.sampling_params
-            for request in item.samples:
-                seq = request.seq
+            for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:
                     raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
                 token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
@@ -492,11 +526,10 @@ class Scheduler:
                     if logprob is not None:
                         seq.cumulative_logprob += logprob
                     finish_reason = None
-                    if token_id in group.stop_token_screen or len(tokens) >= group.max_num_tokens:
-                        decision = check_stop(seq, params)  # type: ignore[arg-type]
+                    if token_id in group.stop_token_ids or len(tokens) >= group.max_num_tokens:
+                        decision = check_stop(seq, group)
                         if decision is not None:
                             self._stop(seq, decision.finish_reason, decision.stop_reason)
-                            group.finished_time = now
                             finish_reason = decision.finish_reason
                     delta = SampleDelta(
                         seq.index, [token_id], None if logprob is None else seq.cumulative_logprob,
@@ -504,8 +537,8 @@ class Scheduler:
                     )  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                     self.fail(group, exc)
-                    any_finished = True
-                    update.finished.append((group, []))
+                    finished.append(group)
+                    outputs.append(final_output(group, []))
                     gathered.pop(id(group), None)
                     continue  # its other rows still count (their sequences are finished)
                 if group.final_only:  # a sample's finish carries all its tokens, nothing else
@@ -514,14 +547,10 @@ class Scheduler:
                     delta.new_token_ids = seq.output_token_ids
                 if len(group.seqs) == 1:  # one sample: its output is complete
                     if finish_reason is not None:
-                        any_finished = True
-                        update.finished.append((group, [delta]))
+                        finished.append(group)
+                        outputs.append(final_output(group, [delta]))
                     else:
-                        progressed.append(
-                            self._first_output(group, [delta])
-                            if first
-                            else EngineCoreOutput(group.request_id, [delta])
-                        )
+                        outputs.append(progress_output(group, [delta], first))
                     continue
                 entry = gathered.get(id(group))
                 if entry is None:
@@ -529,22 +558,13 @@ class Scheduler:
                 entry[1].append(delta)
         if row != len(seq_ids):
             raise AssertionError(f"{len(seq_ids)} rows for {row} sampled sequences")
-        if result.prompt_logprobs:
-            for item in output.scheduled:
-                chunk = result.prompt_logprobs.get(item.seq_id)
-                if chunk is not None and item.group.error is None:
-                    update.prompt_logprobs[item.group.request_id] = chunk
         self.num_generation_tokens += len(seq_ids)
         for group, deltas, first in gathered.values():
             if group.is_finished:
-                any_finished = True
-                update.finished.append((group, deltas))
+                finished.append(group)
+                outputs.append(final_output(group, deltas))
             else:
-                progressed.append(
-                    self._first_output(group, deltas)
-                    if first
-                    else EngineCoreOutput(group.request_id, deltas)
-                )
+                outputs.append(progress_output(group, deltas, first))
         if beam_groups:
             self._num_running_seqs = None  # a first step turns one sequence into beams
             beam_rows = {seq_id: row for row, seq_id in enumerate(result.beam_seq_ids)}
@@ -553,25 +573,22 @@ class Scheduler:
                     continue
                 self._beam_step(group, result, beam_rows, now)
                 if group.is_finished:
-                    any_finished = True
-                    update.finished.append((group, []))
-        if any_finished:
+                    finished.append(group)
+                    outputs.append(final_output(group, []))
+        if result.prompt_logprobs:
+            chunks: dict[str, PromptLogprobs] = {}
+            groups: dict[str, SequenceGroup] = {}
+            for item, (group, _, _) in zip(step.output.scheduled, step.entries, strict=True):
+                chunk = result.prompt_logprobs.get(item.seq_id)
+                if chunk is not None and group.error is None:
+                    chunks[group.request_id], groups[group.request_id] = chunk, group
+            attach_prompt_logprobs(outputs, chunks, groups)
+        if finished:
             self.running = [g for g in self.running if not g.is_finished]
             self._num_running_seqs = None
             if any(g.is_finished for g in self.waiting):  # preempted, finished by a late token
                 self.waiting = deque(g for g in self.waiting if not g.is_finished)
         return update
-
-    @staticmethod
-    def _first_output(group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
-        """A request's output with its first tokens: it also says when the request was first
-        scheduled and how many prompt tokens the prefix cache held."""
-        return EngineCoreOutput(
-            group.request_id,
-            samples,
-            first_scheduled_time=group.first_scheduled_time,
-            num_cached_tokens=group.num_cached_tokens,
-        )
 
     def _beam_step(
         self, group: SequenceGroup, result: ModelRunnerOutput, rows: dict[int, int], now: float
@@ -589,8 +606,6 @@ class Scheduler:
         self.num_generation_tokens += len(beams)
         if group.first_token_time is None:
             group.first_token_time = now
-        if group.is_finished:
-            group.finished_time = now
 
     def fail(self, group: SequenceGroup, exc: BaseException) -> None:
         """Ends a request whose processing raised: its unfinished sequences finish with
@@ -598,19 +613,23 @@ class Scheduler:
         logger.error("request %s failed", group.request_id, exc_info=exc)
         self._num_running_seqs = None
         group.error = f"{type(exc).__name__}: {exc}"
-        group.finished_time = time.monotonic()
         for seq in group.unfinished_seqs:
-            seq.status = SequenceStatus.FINISHED_ERROR
-            self.block_manager.free(seq)
+            self._finish(seq, SequenceStatus.FINISHED_ERROR)
         if group in self.running:
             self.running.remove(group)
 
     def _stop(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
-        seq.status = (
-            SequenceStatus.FINISHED_LENGTH
-            if finish_reason == "length"
-            else SequenceStatus.FINISHED_STOPPED
-        )
         assert not isinstance(stop_reason, str), "token rules match no text"
         seq.stop_reason = stop_reason
+        if finish_reason == "length":
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        else:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Ends a sampled sequence (a stop rule, an abort, a failure): frees its blocks and
+        tells the worker to forget it."""
+        seq.status = status
         self.block_manager.free(seq)
+        if self._sample_rows.pop(seq.seq_id, None) is not None:
+            self._finished_seq_ids.append(seq.seq_id)

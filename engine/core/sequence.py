@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from octavo.engine.core.beam_state import BeamState
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -54,7 +52,6 @@ class Sequence:
 
     seq_id: int
     prompt_token_ids: list[int]
-    generator: torch.Generator | None = None
     index: int = 0
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -102,10 +99,10 @@ class Sequence:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
 
-    def fork(self, seq_id: int, generator: torch.Generator | None, index: int) -> Sequence:
+    def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy sharing nothing mutable with this one (block sharing is the BlockManager's);
         `index` is the child's sample index."""
-        child = Sequence(seq_id, self.prompt_token_ids, generator, index)
+        child = Sequence(seq_id, self.prompt_token_ids, index)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
@@ -122,29 +119,25 @@ class SequenceGroup:
     """
 
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams | BeamSearchParams
     arrival_time: float
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The token stop rules' two quantities (see engine/stop_rules.py): only a token in
+    # `stop_token_ids` (EOS unless ignored, and the request's own) or a length of
+    # `max_num_tokens` (prompt included) can end a sample, so the stop rules run for those
+    # alone.
+    stop_token_ids: frozenset[int]
+    max_num_tokens: int
     seqs: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
     beam: BeamState | None = None
     error: str | None = None  # why the request failed (FINISHED_ERROR), for its client
-    # Set by the scheduler at admission (StopChecker.screen): only a token in
-    # `stop_token_screen` or a length of `max_num_tokens` can end a sample, so the stop rules
-    # run for those alone.
-    stop_token_screen: frozenset[int] = frozenset()
-    max_num_tokens: int = 0
     # Prompt logprobs: positions below this were scheduled for them already (a recompute
     # after preemption does not score them again).
     prompt_logprobs_next: int = 0
     # Prompt tokens found in the prefix cache at first admission (None: not admitted yet).
     num_cached_tokens: int | None = None
-    generators: list[torch.Generator | None] = field(init=False, repr=False)
     # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
     # reads it for every running request of every step.
     num_sequences: int = field(init=False)
@@ -162,15 +155,6 @@ class SequenceGroup:
             and not params.stop_strings
             and params.logprobs is None
         )
-        # Every sample's generator is built now, at admission, so that a seed the generator
-        # refuses fails this request when it is added, never a later engine step.
-        seed = (
-            self.sampling_params.seed if isinstance(self.sampling_params, SamplingParams) else None
-        )
-        self.generators = [
-            None if seed is None else torch.Generator(device=self.device).manual_seed(seed + i)
-            for i in range(self.num_sequences)
-        ]
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -200,11 +184,6 @@ class SequenceGroup:
         """The parameters of a sampling (not beam search) request."""
         assert isinstance(self.sampling_params, SamplingParams), "a beam search request"
         return self.sampling_params
-
-    def make_generator(self, index: int) -> torch.Generator | None:
-        """The random generator of sample `index` of a seeded request (seed + index, as vLLM
-        seeds parallel samples), or None to draw from the engine's shared generator."""
-        return self.generators[index]
 
     @property
     def needs_fork(self) -> bool:

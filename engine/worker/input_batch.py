@@ -1,5 +1,5 @@
-"""The model runner's persistent batch: per-sequence block-table rows kept across steps, and
-one step's inputs computed from them with array operations."""
+"""The model runner's persistent batch: per-sequence state kept across steps (block-table
+rows, sampling state), and one step's inputs computed from it with array operations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from octavo.engine.step_io import SamplingRequest, SchedulerOutput
+from octavo.engine.step_io import SchedulerOutput
+from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
+from octavo.engine.worker.sampling_state import SamplingState
 
 
 @dataclass
@@ -19,7 +21,7 @@ class HostBatch:
     (tokens in the cache after the step), query_lens; cu_seqlens_q [S + 1]; block_tables
     [S, max blocks of the step] (unused entries hold stale or null ids: kernels never read
     past seq_len). `logits_rows` are the token indices whose logits are needed: first one per
-    sampling row (`requests`, `sampled_seq_ids`), then one per beam row (`beam_seq_ids`).
+    sampling row (`sampling`, `sampled_seq_ids`), then one per beam row (`beam_seq_ids`).
     `pending_rows` are the token indices whose input token the host does not know yet (async
     scheduling: sampled by the previous step, of sequences `pending_seq_ids`); input_ids holds
     0 there until the runner fills them in on the device.
@@ -33,7 +35,7 @@ class HostBatch:
     cu_seqlens_q: np.ndarray
     block_tables: np.ndarray
     logits_rows: np.ndarray
-    requests: list[SamplingRequest]
+    sampling: SamplingBatch
     sampled_seq_ids: list[int]
     beam_seq_ids: list[int]
     beam_top_k: int  # candidates per beam row: the most any beam group of the step needs
@@ -83,24 +85,30 @@ _PENDING = -1  # an input token id no vocabulary has: the token is still on the 
 
 
 class InputBatch:
-    """Block-table rows of the live sequences, in a preallocated int32 array.
+    """The worker's state of the live sequences: block-table rows in a preallocated int32
+    array, and a `SamplingState` per sequence it samples for.
 
-    A sequence gets a row the first time it is scheduled and keeps it until the scheduler
-    reports it freed; its row is rewritten only when the scheduler reports its table changed
-    (new, grown into a new block, copy-on-write, forked). A steady decode inside its last block
-    costs one dictionary lookup here; positions, slots and lengths are computed with array
-    operations over the whole step.
+    A sequence gets a row when the scheduler first sends its table and keeps it until the
+    scheduler reports it freed; its row is rewritten only when the scheduler sends its table
+    again (grown into a new block, copy-on-write, forked). A steady decode inside its last
+    block costs one dictionary lookup here; positions, slots and lengths are computed with
+    array operations over the whole step.
     """
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device
+    ):
         self.block_size = block_size
+        self.device = device
+        self.sampling: dict[int, SamplingState] = {}
+        self.sampling_columns = SamplingColumns(max_num_seqs)
+        self._keeping_outputs: set[int] = set()  # sequences whose sampling reads its outputs
         max_blocks = -(-max_model_len // block_size)
         # One row per running sequence; doubled if ever full (a step's freed rows are
         # returned before its new ones are taken, so max_num_seqs rows normally suffice).
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(len(self.block_table) - 1, -1, -1))
-        self._stale: set[int] = set()  # changed tables not yet rewritten into their rows
 
     @property
     def num_rows_in_use(self) -> int:
@@ -119,7 +127,37 @@ class InputBatch:
         row = self._row_of.pop(seq_id, None)
         if row is not None:
             self._free_rows.append(row)
-        self._stale.discard(seq_id)
+
+    def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:
+        """Keeps the sampled tokens that reached the host, for the sequences whose sampling
+        reads its outputs (a sequence finished meanwhile is gone: its token is dropped)."""
+        keeping = self._keeping_outputs
+        if not keeping:
+            return
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            if seq_id in keeping:
+                self.sampling[seq_id].output_token_ids.append(token_id)
+
+    def apply_changes(self, output: SchedulerOutput) -> None:
+        """What changed since the previous step: freed rows, finished sequences, new sampled
+        sequences and new or changed block tables."""
+        for seq_id in output.freed_seq_ids:
+            self._drop(seq_id)
+        for seq_id in output.finished_seq_ids:
+            finished = self.sampling.pop(seq_id, None)
+            if finished is not None:
+                self.sampling_columns.remove(finished.slot)
+                self._keeping_outputs.discard(seq_id)
+        for new in output.new_sampled:
+            state = self.sampling[new.seq_id] = SamplingState.create(new, self.device)
+            state.slot = self.sampling_columns.add(state)
+            if state.keeps_outputs:
+                self._keeping_outputs.add(new.seq_id)
+        for seq_id, blocks in output.block_tables.items():
+            row = self._row_of.get(seq_id)
+            if row is None:
+                row = self._add(seq_id)
+            self.block_table[row, : len(blocks)] = blocks
 
     def prepare(self, output: SchedulerOutput) -> HostBatch:
         """Applies the step's row changes and computes its inputs.
@@ -127,19 +165,8 @@ class InputBatch:
         Each per-sequence field is read in one comprehension over the step (several short
         passes cost less in Python than one loop of appends); the rest is array arithmetic.
         """
-        for seq_id in output.freed_seq_ids:
-            self._drop(seq_id)
+        self.apply_changes(output)
         scheduled = output.scheduled
-        stale = self._stale
-        stale |= output.changed_seq_ids
-        if stale:  # a sequence without a row is always among the changed ones
-            for item in [item for item in scheduled if item.seq_id in stale]:
-                row = self._row_of.get(item.seq_id)
-                if row is None:
-                    row = self._add(item.seq_id)
-                blocks = item.block_table
-                self.block_table[row, : len(blocks)] = blocks
-                stale.discard(item.seq_id)
         table, row_of = self.block_table, self._row_of
         num_seqs = len(scheduled)
         rows = np.array([row_of[item.seq_id] for item in scheduled], dtype=np.int64)
@@ -156,12 +183,10 @@ class InputBatch:
         # still on the device; every other sequence's chunk of tokens.
         input_ids = np.array(
             [
-                item.token_ids[item.start] if item.start < len(item.token_ids) else _PENDING
+                item.input_token_ids[0] if item.input_token_ids else _PENDING
                 for item in scheduled[:num_decodes]
             ] + [
-                token
-                for item in scheduled[num_decodes:]
-                for token in item.token_ids[item.start : item.start + item.num_new_tokens]
+                token for item in scheduled[num_decodes:] for token in item.input_token_ids
             ],
             dtype=np.int64,
         )  # fmt: skip
@@ -185,12 +210,16 @@ class InputBatch:
 
         # Logits rows: each sequence's last token, once per sample it feeds, then once per
         # beam row.
-        requests = [request for item in scheduled for request in item.samples]
+        sampled_seq_ids = [seq_id for item in scheduled for seq_id in item.sample_seq_ids]
+        sampling = self.sampling
+        requests = [sampling[seq_id] for seq_id in sampled_seq_ids]
+        for request in requests:
+            request.num_sampled += 1
         last_token = cu_seqlens_q[1:].astype(np.int64) - 1
         if len(requests) == num_seqs and num_tokens == num_seqs:
             logits_rows = last_token  # the steady state: every decode samples once
         else:
-            samples_per_seq = [len(item.samples) for item in scheduled]
+            samples_per_seq = [len(item.sample_seq_ids) for item in scheduled]
             logits_rows = np.repeat(last_token, samples_per_seq)
         beam_seqs = [k for k, item in enumerate(scheduled) if item.beam_top_k]
         if beam_seqs:
@@ -204,8 +233,8 @@ class InputBatch:
             cu_seqlens_q=cu_seqlens_q,
             block_tables=table[rows, :width],
             logits_rows=logits_rows,
-            requests=requests,
-            sampled_seq_ids=[request.seq.seq_id for request in requests],
+            sampling=self.sampling_columns.gather(requests),
+            sampled_seq_ids=sampled_seq_ids,
             beam_seq_ids=[scheduled[k].seq_id for k in beam_seqs],
             beam_top_k=max((scheduled[k].beam_top_k for k in beam_seqs), default=0),
             num_decodes=num_decodes,
@@ -227,6 +256,6 @@ class InputBatch:
                 continue
             first_row = int(cu_seqlens_q[k]) + span.start - item.start
             rows = np.arange(first_row, first_row + span.end - span.start, dtype=np.int64)
-            targets = np.array(item.token_ids[span.start + 1 : span.end + 1], dtype=np.int64)
+            targets = np.array(span.targets, dtype=np.int64)
             found.append(PromptLogprobsRows(item.seq_id, rows, targets, span.num_top))
         return found

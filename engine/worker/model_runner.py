@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +55,8 @@ class TopLogprobs:
 class StepFuture:
     """A launched step's results. On CUDA the sampled tensors are copied to pinned host
     memory without blocking and an event marks the copies' end: `result()` waits on that
-    event alone, so the host can schedule the next step meanwhile."""
+    event alone, so the host can schedule the next step meanwhile. `result()` also hands the
+    sampled tokens to `record` (the worker's own record of its sequences' outputs)."""
 
     def __init__(
         self,
@@ -63,8 +65,10 @@ class StepFuture:
         beam_seq_ids: list[int],
         candidates: tuple[torch.Tensor, torch.Tensor] | None,
         prompt_logprobs: dict[int, TopLogprobs] | None = None,
+        record: Callable[[list[int], list[int]], None] | None = None,
     ):
         self.sampled_seq_ids = sampled_seq_ids
+        self._record = record
         # Read with a blocking copy in result(): requests that ask for prompt logprobs run
         # without the one-step lag (the core applies their steps before the next).
         self._prompt_logprobs = prompt_logprobs or {}
@@ -88,6 +92,8 @@ class StepFuture:
         if self._event is not None:
             self._event.synchronize()
         sampled = SamplerOutput([], [], []) if self._sampled is None else self._sampled.to_host()
+        if self._record is not None:
+            self._record(self.sampled_seq_ids, sampled.token_ids)
         candidates = None
         if self._candidates:
             values, token_ids = self._candidates
@@ -125,7 +131,7 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, device)
         # torch.empty: untouched blocks cost no memory; every read slot is written first.
         self.kv_cache = torch.empty(
             (config.n_layer, 2, num_blocks, block_size, config.n_head, config.head_dim),
@@ -152,10 +158,6 @@ class ModelRunner:
             self.model, self.kv_cache, max_batch_size, max_model_len, self.block_size
         )
         self.graphs.capture()
-
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step and waits for its results."""
-        return self.execute_async(output).result()
 
     @torch.inference_mode()
     def execute_async(self, output: SchedulerOutput) -> StepFuture:
@@ -188,10 +190,10 @@ class ModelRunner:
             if not graph_decode:  # every row's logits, in order, need no gather
                 hidden = hidden[self._to_device("logits_rows", batch.logits_rows)]
             logits = self.model.compute_logits(hidden)
-        num_sampled = len(batch.requests)
+        num_sampled = len(batch.sampling)
         sampled = None
-        if batch.requests:
-            sampled = self.sampler(logits[:num_sampled], batch.requests)
+        if num_sampled:
+            sampled = self.sampler(logits[:num_sampled], batch.sampling)
             self._last_sampled = (sampled.token_ids, batch.sampled_seq_ids)
         else:
             self._last_sampled = None
@@ -200,8 +202,9 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
             candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
         return StepFuture(
-            batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates, prompt_logprobs
-        )
+            batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates, prompt_logprobs,
+            self.input_batch.record_sampled,
+        )  # fmt: skip
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: HostBatch) -> dict[int, TopLogprobs]:
         """Each span's prompt-token log-probabilities and best tokens, from the step's hidden

@@ -158,13 +158,9 @@ def test_block_accounting_of_forking_beams(eos_model_dir, hf_eos):
     )
     bm = engine.block_manager
     copies_per_step: list[int] = []
-    execute = engine.runner.execute_async
-
-    def recording_execute(output):
-        copies_per_step.append(len(output.blocks_to_copy))
-        return execute(output)
-
-    engine.runner.execute_async = recording_execute
+    engine.core.step_observers.append(
+        lambda output: copies_per_step.append(len(output.blocks_to_copy))
+    )
     prompt = sample_prompts(1, 37, 37, hf_eos.config.vocab_size, seed=2)[0]
     params = BeamSearchParams(beam_width=width, max_tokens=30, ignore_eos=True)
     engine.add_request("beams", prompt, params)

@@ -169,7 +169,7 @@ def test_a_step_fault_fails_every_stream_and_calls_the_fatal_handler(tiny_model_
         def broken_step(output):
             raise RuntimeError("injected step fault")
 
-        engine.client.core.runner.execute_async = broken_step
+        engine.client.core.step_observers.append(broken_step)
         engine.start()
         results = await asyncio.wait_for(
             asyncio.gather(collect(engine, "a", [1, 2, 3]), collect(engine, "b", [4, 5])),

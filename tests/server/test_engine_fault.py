@@ -41,7 +41,7 @@ def test_a_step_fault_answers_the_request_and_stops_the_server(tiny_model_dir):
         both_submitted.wait(SERVE_TIMEOUT_S)
         raise RuntimeError(FAULT)
 
-    engine.client.core.runner.execute_async = broken_step
+    engine.client.core.step_observers.append(broken_step)
     port = free_port()
     app = create_app(engine, ServerConfig(served_model_name="tiny", shutdown_grace_seconds=1))
     server = GracefulServer(

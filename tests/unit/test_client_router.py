@@ -32,7 +32,7 @@ def stats(added: int) -> EngineStats:
 
 
 def request(request_id: str) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, [1, 2], 0.0, SamplingParams(max_tokens=4))
+    return EngineCoreRequest(request_id, [1, 2], 0.0, [], SamplingParams(max_tokens=4))
 
 
 def track(router: ClientRouter, inputs: EngineCoreInputs) -> EngineCoreInputs:

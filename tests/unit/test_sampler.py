@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from octavo.engine.core.sequence import Sequence
 from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.step_io import SamplingRequest
+from octavo.engine.step_io import NewSampledSequence
+from octavo.engine.stop_rules import stop_token_set
 from octavo.engine.worker.sampler import (
     Sampler,
     apply_min_p,
@@ -15,6 +15,8 @@ from octavo.engine.worker.sampler import (
     apply_top_k_top_p,
     argmax_rows,
 )
+from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
+from octavo.engine.worker.sampling_state import SamplingState
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 EOS = 4
@@ -24,13 +26,24 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
     return [torch.isfinite(row).nonzero().squeeze(1).tolist() for row in logits]
 
 
-def request(prompt=(1,), output=(), seed=None, **params) -> SamplingRequest:
-    seq = Sequence(0, list(prompt))
-    seq.token_ids += list(output)
-    seq.num_pending_tokens = 1  # as the scheduler leaves it: this row's token is in flight
-    if seed is not None:
-        seq.generator = torch.Generator().manual_seed(seed)
-    return SamplingRequest(SamplingParams(seed=seed, **params), seq)
+def request(prompt=(1,), output=(), seed=None, **params) -> SamplingState:
+    """The worker's state of a sequence with `output` sampled so far, as the input batch
+    leaves it for the row being sampled (which it has already counted)."""
+    sampling = SamplingParams(seed=seed, **params)
+    stops = stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, EOS)
+    new = NewSampledSequence(0, sampling, list(prompt), 0, stops)
+    state = SamplingState.create(new, torch.device("cpu"))
+    state.output_token_ids += list(output)
+    state.num_sampled = len(output) + 1
+    return state
+
+
+def batch(states: list[SamplingState]) -> SamplingBatch:
+    """The rows `states` (one state may fill several), as the input batch gathers them."""
+    columns = SamplingColumns(1)
+    for state in {id(s): s for s in states}.values():
+        state.slot = columns.add(state)
+    return columns.gather(states)
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -79,10 +92,10 @@ def test_penalties_match_a_hand_computation():
 
 
 def test_greedy_takes_the_argmax_and_reports_model_logprobs():
-    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.tensor([PROBS, PROBS[::-1]]).log()
     out = sampler(
-        logits, [request(temperature=0.0, logprobs=2), request(temperature=0.0)]
+        logits, batch([request(temperature=0.0, logprobs=2), request(temperature=0.0)])
     ).to_host()
     assert out.token_ids == [0, 4]
     # Only the row that asked for logprobs gets them (vLLM's contract).
@@ -107,28 +120,28 @@ def test_argmax_rows_matches_torch_argmax_with_ties_infinities_and_nan():
 
 
 def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn():
-    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 9.0]] * 3)
     reqs = [
         request(output=[7], temperature=0.0, min_tokens=2, stop_token_ids=[3]),
         request(output=[7, 8], temperature=0.0, min_tokens=2, stop_token_ids=[3]),
         request(output=[7], temperature=0.0, min_tokens=2, ignore_eos=True),
     ]
-    assert sampler(logits, reqs).to_host().token_ids == [2, EOS, EOS]
+    assert sampler(logits, batch(reqs)).to_host().token_ids == [2, EOS, EOS]
 
 
 def test_penalised_greedy_row_changes_its_choice():
-    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0, 0.0]])
     penalized = request(output=[0], temperature=0.0, presence_penalty=0.5, logprobs=0)
-    out = sampler(logits, [penalized]).to_host()
+    out = sampler(logits, batch([penalized])).to_host()
     assert out.token_ids == [1]
     # The reported log-probability is the model's, before the penalty.
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], 0)[1].item())
 
 
 def test_token_controls_match_a_hand_computation():
-    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.5]] * 5)
     bad = request(output=[9, 2], temperature=0.0)
     bad.params.bad_words_token_ids = [[1], [2, 0], [7, 2]]  # 1 always; 0 after 2; 2 after 7
@@ -140,36 +153,36 @@ def test_token_controls_match_a_hand_computation():
         # allowed first, then the bias: a biased token outside the allowed set stays out
         request(temperature=0.0, allowed_token_ids=[2, 3], logit_bias={0: 50.0, 3: 1.5}),
     ]
-    assert sampler(logits, reqs).to_host().token_ids == [4, 2, 3, 2, 3]
+    assert sampler(logits, batch(reqs)).to_host().token_ids == [4, 2, 3, 2, 3]
 
 
 def test_logit_bias_comes_before_penalties_as_in_vllm():
     # repetition_penalty 2 on a seen token: (3 + 1) / 2 = 2 < 2.5 (bias first), where
     # 3 / 2 + 1 = 2.5 would tie (penalty first).
-    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.tensor([[3.0, 2.5, 0.0, 0.0, 0.0]])
     row = request(
         prompt=(4,), output=[0], temperature=0.0, logit_bias={0: 1.0}, repetition_penalty=2.0
     )
-    assert sampler(logits, [row]).to_host().token_ids == [1]
+    assert sampler(logits, batch([row])).to_host().token_ids == [1]
 
 
 def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
 
     def draw(rows: list[int], seed_row: int) -> int:
-        sampler = Sampler(EOS, torch.Generator().manual_seed(len(rows)))
+        sampler = Sampler(torch.Generator().manual_seed(len(rows)))
         reqs = [request(seed=1234 if r == seed_row else None, temperature=1.0) for r in rows]
-        return sampler(logits[rows], reqs).to_host().token_ids[rows.index(seed_row)]
+        return sampler(logits[rows], batch(reqs)).to_host().token_ids[rows.index(seed_row)]
 
     draws = [draw(list(range(4)), 2), draw([2], 2), draw([5, 1, 2, 0], 2), draw([2, 3], 2)]
     assert len(set(draws)) == 1
 
 
 def test_random_draws_follow_the_filtered_distribution():
-    sampler = Sampler(EOS, torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.tensor([PROBS]).log().repeat(4000, 1)
-    tokens = sampler(logits, [request(temperature=1.0, top_k=3)] * 4000).to_host().token_ids
+    tokens = sampler(logits, batch([request(temperature=1.0, top_k=3)] * 4000)).to_host().token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / 4000
     expected = torch.tensor([0.5, 0.2, 0.15, 0.0, 0.0]) / 0.85
     assert torch.allclose(freq, expected, atol=0.03)

@@ -3,43 +3,47 @@
 import itertools
 
 from octavo.engine.core.block_manager import BlockManager
-from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
+from octavo.engine.core.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.sampling_params import SamplingParams
-from octavo.engine.step_io import ModelRunnerOutput, SamplerOutput, SchedulerOutput
+from octavo.engine.step_io import ModelRunnerOutput, SamplerOutput
+from octavo.engine.stop_rules import length_limit, stop_token_set
 
 EOS = 0
 _tokens = itertools.count(10)
 
 
-def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, max_model_len=64):
+MAX_MODEL_LEN = 64
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8):
     bm = BlockManager(num_blocks, block_size)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs, budget), bm, StopChecker(max_model_len, EOS)
-    )
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget), bm, StopChecker(EOS))
     return scheduler, bm
 
 
 def add(scheduler, request_id, prompt_len, **params):
     params.setdefault("max_tokens", 8)
+    sampling = SamplingParams(temperature=0.0, **params)
     group = SequenceGroup(
         request_id,
-        None,
         list(range(1, prompt_len + 1)),
-        SamplingParams(temperature=0.0, **params),
+        sampling,
         arrival_time=0.0,
+        stop_token_ids=frozenset(stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, EOS)),
+        max_num_tokens=length_limit(prompt_len, sampling.max_tokens, MAX_MODEL_LEN),
     )
     group.seqs.append(Sequence(scheduler.new_seq_id(), group.prompt_token_ids))
     scheduler.add(group)
     return group
 
 
-def step(scheduler: Scheduler, bm: BlockManager) -> SchedulerOutput:
+def step(scheduler: Scheduler, bm: BlockManager) -> ScheduledStep:
     """One engine step with a fake model that samples a fresh non-EOS token per row."""
     out = scheduler.schedule()
     bm.check_invariants()
-    seq_ids = [seq.seq_id for s in out.scheduled for seq in s.sample_seqs]
+    seq_ids = [seq_id for s in out.output.scheduled for seq_id in s.sample_seq_ids]
     rows = len(seq_ids)
     tokens = [next(_tokens) for _ in range(rows)]
     sampled = SamplerOutput(tokens, [0.0] * rows, [None] * rows)
@@ -48,8 +52,19 @@ def step(scheduler: Scheduler, bm: BlockManager) -> SchedulerOutput:
     return out
 
 
-def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.group.request_id, s.num_new_tokens) for s in out.scheduled]
+def plan(out: ScheduledStep) -> list[tuple[str, int]]:
+    return [
+        (group.request_id, s.num_new_tokens)
+        for s, (group, _, _) in zip(out.output.scheduled, out.entries, strict=True)
+    ]
+
+
+def sampled_seqs(out: ScheduledStep, index: int) -> list[Sequence]:
+    """The sequences sampled from scheduled sequence `index`, checked against the ids the
+    worker gets."""
+    item, (_, _, seqs) = out.output.scheduled[index], out.entries[index]
+    assert list(item.sample_seq_ids) == [s.seq_id for s in seqs]
+    return list(seqs)
 
 
 def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
@@ -57,13 +72,13 @@ def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
     group = add(scheduler, "a", 20)
     seq = group.seqs[0]
     out = step(scheduler, bm)
-    assert plan(out) == [("a", 8)] and out.scheduled[0].sample_seqs == []
+    assert plan(out) == [("a", 8)] and sampled_seqs(out, 0) == []
     assert bm.get_block_table(seq) == [1, 2]
     out = step(scheduler, bm)
     assert plan(out) == [("a", 8)]
     assert bm.get_block_table(seq) == [1, 2, 3, 4]
     out = step(scheduler, bm)
-    assert plan(out) == [("a", 4)] and out.scheduled[0].sample_seqs == [seq]
+    assert plan(out) == [("a", 4)] and sampled_seqs(out, 0) == [seq]
     assert seq.num_output_tokens == 1 and seq.num_computed_tokens == 20
     out = step(scheduler, bm)
     assert plan(out) == [("a", 1)]
@@ -152,13 +167,13 @@ def test_parallel_samples_fork_off_the_prompt_and_share_its_blocks():
     out = step(scheduler, bm)
     parent = group.seqs[0]
     assert len(group.seqs) == 3
-    assert out.scheduled[0].sample_seqs == group.seqs
+    assert sampled_seqs(out, 0) == group.seqs
     tables = [bm.get_block_table(s) for s in group.seqs]
     assert tables == [[1, 2]] * 3 and bm.ref_counts[1] == 3 and bm.ref_counts[2] == 3
     assert len({s.token_ids[-1] for s in group.seqs}) == 3  # each sample drew its own token
     # Each sample writes position 6 into shared block 2: two copy it, the last owns it.
     out = step(scheduler, bm)
-    assert out.blocks_to_copy == [(2, 3), (2, 4)]
+    assert out.output.blocks_to_copy == [(2, 3), (2, 4)]
     assert [bm.get_block_table(s) for s in group.seqs] == [[1, 3], [1, 4], [1, 2]]
     assert bm.ref_counts[1] == 3 and parent.num_computed_tokens == 7
     while scheduler.has_unfinished():

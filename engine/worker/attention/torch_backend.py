@@ -27,9 +27,9 @@ class SequenceSlice:
 
 
 # Decodes attend as one padded batch while a decode's padded K (or V) holds at most this many
-# elements: measured on CPU, one per-sequence call costs about as much as gathering this many
-# elements, and the batch gather also copies the padding (tiny models: always batched; GPT-2
-# small: batched for contexts of up to ~40 tokens, where per-call overhead dominates).
+# elements: on CPU one per-sequence call costs about as much as gathering this many elements,
+# and the batch gather also copies the padding (tiny models: always batched; GPT-2 small:
+# batched for short contexts only, where per-call overhead dominates).
 BATCHED_DECODE_MAX_ELEMENTS = 32768
 
 
@@ -105,8 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
         shift = bs.bit_length() - 1  # a power of two: shifts and ors, not int64 arithmetic
         tables = metadata.block_tables
         offsets = torch.arange(bs, device=tables.device)
-        # Every block's slots side by side: a broadcast, where indexing by position (a
-        # gather of S x max_seqlen_k table entries) measured 4x slower on CPU.
+        # Every block's slots side by side: a broadcast, cheaper on CPU than indexing by
+        # position (a gather of S x max_seqlen_k table entries).
         slots = ((tables.long() << shift).unsqueeze(-1) | offsets).view(tables.shape[0], -1)
         return slots[:, : metadata.max_seqlen_k]
 

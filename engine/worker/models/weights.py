@@ -23,8 +23,8 @@ DUMMY_PRESETS = {
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
 DUMMY_INIT_STD = 0.02
 # On CUDA the LM head's rows are padded to this multiple (see GPT2LMHeadModel.pad_lm_head):
-# with GPT-2's 50257 output columns cuBLAS chose an sm75 align-1 kernel that took 211 us of
-# an H100 decode step at batch 256 (benchmarks/profile_decode.py).
+# with GPT-2's odd 50257 output columns cuBLAS falls back to an unaligned kernel, the
+# largest single cost of a large decode step in benchmarks/profile_decode.py's H100 profile.
 CUDA_LM_HEAD_ROW_MULTIPLE = 64
 _HUB_FILES = [
     "config.json",

@@ -1,0 +1,117 @@
+"""The sampling parameters of the worker's sequences, column by column, and one step's rows
+of them as arrays: the sampler reads a batch's parameters without a loop over its rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from octavo.engine.worker.sampling_state import SamplingState
+
+NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampled rows, in row order: per-row parameters as arrays ([R]) and the
+    rows' states (`states`), which the work that is a row's own reads (its logits
+    processing, its seeded draws).
+
+    `num_top`: the top log-probabilities each row returns (NO_LOGPROBS: none; 0: only the
+    sampled token's, for best_of ranking). `processed_rows` / `seeded_rows`: the rows whose
+    logits are processed (penalties, masks, biases) / that draw from their own generator.
+    """
+
+    states: list[SamplingState]
+    all_plain_greedy: bool
+    greedy: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    num_top: np.ndarray
+    processed_rows: np.ndarray
+    seeded_rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
+class SamplingColumns:
+    """Each sampled sequence's parameters in a slot of preallocated arrays, written once when
+    its state is created (`add`) and freed with it (`remove`)."""
+
+    def __init__(self, capacity: int):
+        self._columns = _Columns(capacity)
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def add(self, state: SamplingState) -> int:
+        """Writes `state`'s parameters into a free slot; returns the slot."""
+        if not self._free:
+            old = len(self._columns.greedy)
+            self._columns = self._columns.grown()
+            self._free = list(range(len(self._columns.greedy) - 1, old - 1, -1))
+        slot = self._free.pop()
+        self._columns.write(slot, state)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def gather(self, states: list[SamplingState]) -> SamplingBatch:
+        """The rows `states`, in order, as arrays."""
+        slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
+        c = self._columns
+        return SamplingBatch(
+            states=states,
+            all_plain_greedy=bool(c.plain_greedy[slots].all()),
+            greedy=c.greedy[slots],
+            temperature=c.temperature[slots],
+            top_k=c.top_k[slots],
+            top_p=c.top_p[slots],
+            min_p=c.min_p[slots],
+            num_top=c.num_top[slots],
+            processed_rows=np.flatnonzero(c.processes_logits[slots]),
+            seeded_rows=np.flatnonzero(c.seeded[slots]),
+        )
+
+
+class _Columns:
+    """The arrays themselves, one entry per slot."""
+
+    def __init__(self, capacity: int):
+        self.greedy = np.zeros(capacity, dtype=bool)
+        self.plain_greedy = np.zeros(capacity, dtype=bool)
+        self.processes_logits = np.zeros(capacity, dtype=bool)
+        self.seeded = np.zeros(capacity, dtype=bool)
+        self.temperature = np.zeros(capacity, dtype=np.float32)
+        self.top_k = np.zeros(capacity, dtype=np.int64)
+        self.top_p = np.zeros(capacity, dtype=np.float32)
+        self.min_p = np.zeros(capacity, dtype=np.float32)
+        self.num_top = np.zeros(capacity, dtype=np.int64)
+
+    def grown(self) -> _Columns:
+        """A copy with twice the slots."""
+        grown = _Columns(2 * len(self.greedy))
+        for name, column in vars(self).items():
+            getattr(grown, name)[: len(column)] = column
+        return grown
+
+    def write(self, slot: int, state: SamplingState) -> None:
+        params = state.params
+        self.greedy[slot] = params.greedy
+        self.plain_greedy[slot] = params.is_plain_greedy
+        self.processes_logits[slot] = params.processes_logits
+        self.seeded[slot] = state.generator is not None
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        # Log-probabilities cost a pass over the vocabulary: only for rows that ask (as in
+        # vLLM, a request without `logprobs` gets no cumulative_logprob either), and for
+        # best_of > n, whose samples are ranked by their tokens' logprobs.
+        if params.logprobs is not None:
+            self.num_top[slot] = params.logprobs
+        else:
+            self.num_top[slot] = 0 if params.ranks_samples else NO_LOGPROBS

@@ -1,0 +1,44 @@
+"""What the worker keeps of each sequence it samples for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.step_io import NewSampledSequence
+
+
+@dataclass(eq=False, slots=True)
+class SamplingState:
+    """One sampled sequence's state, from its first sampled step until the scheduler lists it
+    finished (a preempted sequence keeps it: its seeded draws go on where they stopped).
+
+    `num_sampled` counts the rows sampled for it so far, this step's included: the tokens
+    known and those still in flight (min_tokens counts both). `output_token_ids` holds the
+    tokens that reached the host, kept only when the parameters read them (penalties, bad
+    words); requests with those never run a step ahead, so every earlier token is there when
+    a row is sampled.
+    """
+
+    seq_id: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    stop_token_ids: list[int]
+    generator: torch.Generator | None
+    keeps_outputs: bool
+    output_token_ids: list[int] = field(default_factory=list)
+    num_sampled: int = 0
+    slot: int = -1  # its parameters' slot in the input batch's SamplingColumns
+
+    @classmethod
+    def create(cls, new: NewSampledSequence, device: torch.device) -> SamplingState:
+        params = new.params
+        generator = None
+        if params.seed is not None:  # vLLM seeds parallel samples seed + index
+            generator = torch.Generator(device=device).manual_seed(params.seed + new.sample_index)
+        keeps_outputs = params.has_penalties or bool(params.bad_words_token_ids)
+        return cls(
+            new.seq_id, params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs
+        )
