@@ -42,6 +42,7 @@ from octavo.benchmarks import serving_throughput
 from octavo.benchmarks.common import git_commit
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine.config import EngineConfig
+from octavo.engine.core.core_process import CoreAddresses, connect_core_sockets
 from octavo.engine.core_messages import (
     EngineCoreInputs,
     EngineCoreOutput,
@@ -52,7 +53,6 @@ from octavo.engine.core_messages import (
     ModelLimits,
     SampleDelta,
 )
-from octavo.engine.core_process import CoreAddresses, connect_core_sockets
 
 API_CPU = 0
 # The stand-in core's KV cache, as far as the front end's validation is concerned.
@@ -154,9 +154,9 @@ def serve(port: int, model: Path, max_num_seqs: int, step_ms: float) -> None:
     import torch
     import uvicorn
 
-    from octavo.engine.async_engine import AsyncEngine
-    from octavo.engine.core_client import MultiprocessCoreClient
-    from octavo.engine.worker.models.weights import load_tokenizer
+    from octavo.engine.frontend.async_engine import AsyncEngine
+    from octavo.engine.frontend.core_client import MultiprocessCoreClient
+    from octavo.engine.frontend.tokenizer import load_tokenizer
     from octavo.server.app import create_app
     from octavo.server.serving_engine import ServerConfig
 

@@ -48,8 +48,8 @@ import torch
 
 from octavo.benchmarks.common import git_commit
 from octavo.engine.config import EngineConfig
-from octavo.engine.engine_core import EngineCore
-from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
+from octavo.engine.core.engine_core import EngineCore
+from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
 from octavo.engine.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

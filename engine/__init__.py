@@ -1,9 +1,9 @@
 """Octavo's engine: GPT-2 over a paged KV cache with continuous batching."""
 
 from octavo.engine.config import EngineConfig
-from octavo.engine.llm import LLM
-from octavo.engine.llm_engine import LLMEngine
-from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.engine.frontend.llm import LLM
+from octavo.engine.frontend.llm_engine import LLMEngine
+from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [

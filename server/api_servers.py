@@ -33,8 +33,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
-from octavo.engine.core_client import CORE_EXIT_TIMEOUT_S, SharedCore
-from octavo.engine.core_process import SERVER_STOP_SIGNALS, CoreAddresses, run_engine_core
+from octavo.engine.core.core_process import SERVER_STOP_SIGNALS, CoreAddresses, run_engine_core
+from octavo.engine.frontend.core_client import CORE_EXIT_TIMEOUT_S, SharedCore
 from octavo.server.launch import PROMETHEUS_DIR_ENV, build_server, model_threads, run_http_server
 from octavo.server.server_args import ServerArgs
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.http_guards import BodySizeLimit, HostCheck

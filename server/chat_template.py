@@ -14,10 +14,10 @@ import jinja2.ext
 import jinja2.sandbox
 
 from octavo.engine.errors import ParameterError
+from octavo.engine.frontend.tokenizer import load_tokenizer
 from octavo.engine.worker.models.weights import (
     DUMMY_PRESETS,
     load_model_config,
-    load_tokenizer,
     resolve_model_path,
 )
 

@@ -15,7 +15,7 @@ from octavo.server.server_args import ServerArgs
 
 def _generate(args: argparse.Namespace) -> int:
     from octavo.engine import LLM, SamplingParams
-    from octavo.engine.llm_engine import LLMEngine
+    from octavo.engine.frontend.llm_engine import LLMEngine
 
     llm = LLM.from_engine(LLMEngine(from_flags(EngineConfig, vars(args))))
     params = SamplingParams(

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.frontend.async_engine import AsyncEngine
 
 
 class GracefulServer(uvicorn.Server):

@@ -15,9 +15,9 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from octavo.engine.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.config import EngineConfig
-from octavo.engine.core_client import SharedCore
+from octavo.engine.frontend.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
+from octavo.engine.frontend.core_client import SharedCore
 from octavo.engine.heap import freeze_startup_heap
 from octavo.engine.worker.models.weights import load_model_config
 from octavo.server.graceful_server import GracefulServer

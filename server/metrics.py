@@ -7,8 +7,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from octavo.engine.async_engine import AsyncEngine
-from octavo.engine.outputs import RequestMetrics
+from octavo.engine.frontend.async_engine import AsyncEngine
+from octavo.engine.frontend.outputs import RequestMetrics
 
 PREFIX = "octavo:"
 # Seconds; TTFT and queue time span idle-to-loaded, ITL is per token.

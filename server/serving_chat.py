@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from octavo.engine.errors import ParameterError
-from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.server.chat_protocol import (
     AssistantMessage,
     ChatCompletionChoice,

@@ -9,7 +9,7 @@ from http import HTTPStatus
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from octavo.engine.outputs import CompletionOutput, RequestOutput
+from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.server.errors import APIError
 from octavo.server.protocol import (
     CompletionChoice,

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 
-from octavo.engine.async_engine import (
+from octavo.engine.errors import ParameterError
+from octavo.engine.frontend.async_engine import (
     AsyncEngine,
     EngineStoppedError,
     QueueFullError,
     RequestFailedError,
 )
-from octavo.engine.errors import ParameterError
-from octavo.engine.input_processor import ProcessedPrompt
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.frontend.input_processor import ProcessedPrompt
+from octavo.engine.frontend.outputs import RequestOutput
+from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from octavo.engine.tokenizer import Tokenizer
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage

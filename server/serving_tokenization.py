@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from octavo.engine.async_engine import AsyncEngine
-from octavo.engine.tokenizer import Tokenizer
+from octavo.engine.frontend.async_engine import AsyncEngine
+from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.protocol import (
     DetokenizeRequest,

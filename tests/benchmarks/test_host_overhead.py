@@ -22,7 +22,7 @@ PHASES = {"schedule", "execute", "forward", "sample", "update", "outputs"}
 SLOWER_SCHEDULER = f"""
 import time
 
-from octavo.engine.engine_core import EngineCore
+from octavo.engine.core.engine_core import EngineCore
 
 _init = EngineCore.__init__
 

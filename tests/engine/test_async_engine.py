@@ -15,7 +15,7 @@ from octavo.engine import (
     RequestOutputKind,
     SamplingParams,
 )
-from octavo.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from octavo.engine.frontend.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 
 MODES = ["in_process", "multiprocess"]
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
-from octavo.engine.async_engine import AsyncEngine, EngineStoppedError, RequestFailedError
 from octavo.engine.core.beam_state import length_normalizer, normalized_score
 from octavo.engine.errors import ParameterError
+from octavo.engine.frontend.async_engine import AsyncEngine, EngineStoppedError, RequestFailedError
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 

@@ -66,7 +66,7 @@ def test_allowed_token_ids_equal_hf_prefix_allowed_tokens(engine, hf_tiny, promp
 
 
 def test_bad_words_equal_hf_bad_words_ids(engine, hf_tiny, prompts, tiny_model_dir):
-    from octavo.engine.tokenizer import Tokenizer
+    from octavo.engine.frontend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
     plain = generate(engine, prompts)
@@ -137,8 +137,8 @@ def test_best_of_below_n_is_refused(engine):
 
 def test_bad_words_past_the_models_vocabulary_are_refused(tiny_model_dir):
     from octavo.engine.core_messages import ModelLimits
-    from octavo.engine.input_processor import InputProcessor
-    from octavo.engine.tokenizer import Tokenizer
+    from octavo.engine.frontend.input_processor import InputProcessor
+    from octavo.engine.frontend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
     # A model with fewer tokens than its tokenizer: a word's ids may lie past its logits.

@@ -69,7 +69,7 @@ def test_a_process_that_exits_without_closing_its_core_client_still_exits(tiny_m
     script = (
         "import sys\n"
         "from octavo.engine.config import EngineConfig\n"
-        "from octavo.engine.core_client import MultiprocessCoreClient\n"
+        "from octavo.engine.frontend.core_client import MultiprocessCoreClient\n"
         "config = EngineConfig(model=sys.argv[1], device='cpu', num_blocks=64)\n"
         "client = MultiprocessCoreClient(config, 1)\n"
         "print(client.process.pid, flush=True)\n"

@@ -10,7 +10,7 @@ import httpx
 import uvicorn
 
 from octavo.engine import EngineConfig
-from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.server.app import create_app
 from octavo.server.graceful_server import GracefulServer
 from octavo.server.serving_engine import ServerConfig

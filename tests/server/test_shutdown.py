@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from octavo.engine.async_engine import ABORT_DRAIN_SECONDS
+from octavo.engine.frontend.async_engine import ABORT_DRAIN_SECONDS
 from octavo.server.server_args import DEFAULT_MODEL_NAME
 from tests.server.conftest import (
     MODEL_NAME,

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from octavo.engine.tokenizer import Tokenizer
+from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.server.errors import APIError
 from octavo.server.protocol import DetokenizeRequest, TokenizeRequest
 from octavo.server.serving_engine import ServerConfig

@@ -4,6 +4,7 @@ core stops only once every process has asked."""
 
 import msgspec
 
+from octavo.engine.core.core_process import ClientRouter
 from octavo.engine.core_messages import (
     CoreMessage,
     EngineCoreInputs,
@@ -12,7 +13,6 @@ from octavo.engine.core_messages import (
     EngineCoreRequest,
     EngineStats,
 )
-from octavo.engine.core_process import ClientRouter
 from octavo.engine.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from octavo.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from octavo.engine.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.checkpoints import corpus, tokenizer_json
 
 TEXT = "Naïve café — ünïcode 日本語 and 🎉 emoji: déjà vu, «quotes» ∑ x² ≤ 10."

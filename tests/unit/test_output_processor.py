@@ -7,10 +7,10 @@ import copy
 import pytest
 
 from octavo.engine.core_messages import EngineCoreOutput, SampleAbort, SampleDelta
-from octavo.engine.output_processor import OutputProcessor
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.frontend.output_processor import OutputProcessor
+from octavo.engine.frontend.outputs import RequestOutput
+from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import RequestOutputKind, SamplingParams
-from octavo.engine.tokenizer import Tokenizer
 from tests.checkpoints import tokenizer_json
 
 TEXT = "Naïve café — ünïcode 日本語 and 🎉 emoji: déjà vu, «quotes» ∑ x² ≤ 10."

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from octavo.engine.tokenizer import Tokenizer
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
@@ -104,15 +103,6 @@ def _model_config(model: str, load_format: str) -> tuple[Path | None, GPT2Config
 def load_model_config(model: str, load_format: str) -> GPT2Config:
     """The configuration alone, without loading weights."""
     return _model_config(model, load_format)[1]
-
-
-def load_tokenizer(model: str, load_format: str) -> Tokenizer | None:
-    """The model's tokenizer.json, or None (a dummy preset, a folder without one). Loads no
-    weights: the API process needs the tokenizer, never the model."""
-    if load_format == "dummy" and model in DUMMY_PRESETS:
-        return None
-    path = resolve_model_path(model) / "tokenizer.json"
-    return Tokenizer.from_file(path) if path.is_file() else None
 
 
 def _eos_token_id(path: Path | None, config: GPT2Config) -> int | None:

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from octavo.engine import EngineConfig
-from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.server.app import create_app
 from octavo.server.chat_template import load_chat_template
 from octavo.server.serving_engine import ServerConfig

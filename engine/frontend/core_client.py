@@ -29,6 +29,8 @@ import msgspec
 import zmq
 
 from octavo.engine.config import EngineConfig
+from octavo.engine.core.core_process import CoreAddresses, run_engine_core
+from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.core_messages import (
     CoreMessage,
     EngineCoreFailed,
@@ -38,8 +40,6 @@ from octavo.engine.core_messages import (
     EngineStats,
     ModelLimits,
 )
-from octavo.engine.core_process import CoreAddresses, run_engine_core
-from octavo.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 

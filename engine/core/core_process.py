@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from octavo.engine.config import EngineConfig
+from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.core_messages import (
     CoreMessage,
     EngineCoreFailed,
@@ -38,7 +39,6 @@ from octavo.engine.core_messages import (
     EngineCoreOutputs,
     EngineCoreReady,
 )
-from octavo.engine.engine_core import EngineCore
 from octavo.engine.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)

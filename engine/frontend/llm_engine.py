@@ -6,17 +6,17 @@ import time
 
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.core.scheduler import Scheduler
 from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutput, EngineStats
-from octavo.engine.engine_core import EngineCore
 from octavo.engine.errors import ParameterError
-from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
-from octavo.engine.output_processor import OutputProcessor
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
+from octavo.engine.frontend.output_processor import OutputProcessor
+from octavo.engine.frontend.outputs import RequestOutput
+from octavo.engine.frontend.tokenizer import load_tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.worker.model_runner import ModelRunner
 from octavo.engine.worker.models.gpt2 import GPT2Config
-from octavo.engine.worker.models.weights import load_tokenizer
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedPrompt"]
 

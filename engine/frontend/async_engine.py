@@ -9,21 +9,20 @@ import math
 from collections.abc import AsyncIterator, Callable
 
 from octavo.engine.config import EngineConfig
-from octavo.engine.core_client import (
+from octavo.engine.core.engine_core import EngineCore
+from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs, EngineStats
+from octavo.engine.frontend.core_client import (
     EngineCoreClient,
     EngineCoreDiedError,
     InprocessCoreClient,
     MultiprocessCoreClient,
     SharedCore,
 )
-from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs, EngineStats
-from octavo.engine.engine_core import EngineCore
-from octavo.engine.input_processor import InputProcessor, ProcessedPrompt
-from octavo.engine.output_processor import OutputProcessor
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
+from octavo.engine.frontend.output_processor import OutputProcessor
+from octavo.engine.frontend.outputs import RequestOutput
+from octavo.engine.frontend.tokenizer import Tokenizer, load_tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from octavo.engine.tokenizer import Tokenizer
-from octavo.engine.worker.models.weights import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

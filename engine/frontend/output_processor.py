@@ -27,10 +27,10 @@ from octavo.engine.core_messages import (
     SampleAbort,
     SampleDelta,
 )
-from octavo.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.engine.frontend.stop_strings import find_stop_string
+from octavo.engine.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from octavo.engine.stop_strings import find_stop_string
-from octavo.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 

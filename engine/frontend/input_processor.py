@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
 from octavo.engine.errors import ParameterError
+from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.stop_rules import length_limit, stop_token_set
-from octavo.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from octavo.engine.config import EngineConfig
-from octavo.engine.llm_engine import LLMEngine
-from octavo.engine.outputs import RequestOutput
+from octavo.engine.frontend.llm_engine import LLMEngine
+from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int]

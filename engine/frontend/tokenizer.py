@@ -8,6 +8,8 @@ from pathlib import Path
 import tokenizers
 import tokenizers.decoders
 
+from octavo.engine.worker.models.weights import DUMMY_PRESETS, resolve_model_path
+
 
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's (GPT-2's) character for each byte, inverted: printable Latin-1
@@ -161,3 +163,12 @@ class IncrementalDetokenizer:
             self.text += tail
             delta += tail
         return delta
+
+
+def load_tokenizer(model: str, load_format: str) -> Tokenizer | None:
+    """The model's tokenizer.json, or None (a dummy preset, a folder without one). Loads no
+    weights: the API process needs the tokenizer, never the model."""
+    if load_format == "dummy" and model in DUMMY_PRESETS:
+        return None
+    path = resolve_model_path(model) / "tokenizer.json"
+    return Tokenizer.from_file(path) if path.is_file() else None
