@@ -192,14 +192,17 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def measure_before(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
-    """This script's measurements run against another checkout's `octavo` package."""
-    flags = [a for a in argv if a not in ("--measure-only",)]
+    """The same measurements of another checkout's `octavo` package, by that checkout's own
+    copy of this script (whose imports match its package)."""
+    flags = [a for a in argv if a != "--measure-only"]
     if "--before-root" in flags:
         at = flags.index("--before-root")
         del flags[at : at + 2]
-    env = {**os.environ, "PYTHONPATH": str(args.before_root.resolve())}
+    root = args.before_root.resolve()
+    env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *flags, "--measure-only"],
+        [sys.executable, str(root / "octavo" / "benchmarks" / "host_overhead.py"), *flags,
+         "--measure-only"],
         env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return json.loads(out.splitlines()[-1])

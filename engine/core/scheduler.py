@@ -279,7 +279,11 @@ class Scheduler:
             input_token_ids=seq.token_ids[start : start + num_new],
             sample_seq_ids=sample_ids,
             beam_top_k=beam_top_k,
-            prompt_logprobs=self._prompt_logprobs_span(group, start, num_new),
+            prompt_logprobs=(
+                self._prompt_logprobs_span(group, start, num_new)
+                if group.wants_prompt_logprobs
+                else None
+            ),
         )
         if num_new == 1:
             step.decodes.append(item)
@@ -505,9 +509,9 @@ class Scheduler:
         beam_groups: list[SequenceGroup] = []
         row = 0
         for item, (group, _, sample_seqs) in zip(step.output.scheduled, step.entries, strict=True):
-            if item.beam_top_k:
-                beam_groups.append(group)
             if not sample_seqs:
+                if item.beam_top_k:
+                    beam_groups.append(group)
                 continue
             for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:

@@ -145,6 +145,8 @@ class SequenceGroup:
     # output only, matches no stop strings and wants no per-token logprobs): a sample's
     # tokens leave the core at once, when it finishes, not one step at a time.
     final_only: bool = field(init=False)
+    # Asks for prompt logprobs: an attribute, read for every scheduled sequence of a step.
+    wants_prompt_logprobs: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_sequences = self.sampling_params.num_sequences
@@ -155,11 +157,9 @@ class SequenceGroup:
             and not params.stop_strings
             and params.logprobs is None
         )
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        params = self.sampling_params
-        return isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+        self.wants_prompt_logprobs = (
+            isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+        )
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:

@@ -213,8 +213,6 @@ class InputBatch:
         sampled_seq_ids = [seq_id for item in scheduled for seq_id in item.sample_seq_ids]
         sampling = self.sampling
         requests = [sampling[seq_id] for seq_id in sampled_seq_ids]
-        for request in requests:
-            request.num_sampled += 1
         last_token = cu_seqlens_q[1:].astype(np.int64) - 1
         if len(requests) == num_seqs and num_tokens == num_seqs:
             logits_rows = last_token  # the steady state: every decode samples once

@@ -106,10 +106,12 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i in batch.processed_rows.tolist():
-            logits[i] = self._process_row(logits[i], batch.states[i])
+            logits[i] = self._process_row(logits[i], batch.states[i], int(batch.num_sampled[i]))
         return logits
 
-    def _process_row(self, row: torch.Tensor, request: SamplingState) -> torch.Tensor:
+    def _process_row(
+        self, row: torch.Tensor, request: SamplingState, num_sampled: int
+    ) -> torch.Tensor:
         """vLLM's order: allowed_token_ids, then bad_words and min_tokens masks, logit_bias,
         then penalties."""
         params = request.params
@@ -118,7 +120,9 @@ class Sampler:
             only = torch.full_like(row, float("-inf"))
             only[kept] = 0.0
             row = row + only
-        banned = self._min_tokens_mask(request) + self._bad_words_mask(request)
+        banned = self._bad_words_mask(request)
+        if num_sampled - 1 < params.min_tokens:  # outputs before this one (it is counted)
+            banned += request.stop_token_ids
         if banned:
             row[banned] = float("-inf")
         if params.logit_bias:
@@ -143,15 +147,6 @@ class Sampler:
             if not prefix or output[len(output) - len(prefix) :] == prefix:
                 banned.append(last)
         return banned
-
-    @staticmethod
-    def _min_tokens_mask(request: SamplingState) -> list[int]:
-        """The stop tokens while min_tokens is not reached: they may not be drawn yet."""
-        # Outputs before this one: those known and those still in flight (async
-        # scheduling); this row is already counted.
-        if request.num_sampled - 1 >= request.params.min_tokens:
-            return []
-        return request.stop_token_ids
 
     def _sample_random(
         self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray

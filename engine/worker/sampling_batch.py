@@ -19,8 +19,10 @@ class SamplingBatch:
     processing, its seeded draws).
 
     `num_top`: the top log-probabilities each row returns (NO_LOGPROBS: none; 0: only the
-    sampled token's, for best_of ranking). `processed_rows` / `seeded_rows`: the rows whose
-    logits are processed (penalties, masks, biases) / that draw from their own generator.
+    sampled token's, for best_of ranking). `num_sampled`: the rows sampled for each row's
+    sequence so far, this one included (tokens known and in flight: min_tokens counts
+    both). `processed_rows` / `seeded_rows`: the rows whose logits are processed
+    (penalties, masks, biases) / that draw from their own generator.
     """
 
     states: list[SamplingState]
@@ -31,6 +33,7 @@ class SamplingBatch:
     top_p: np.ndarray
     min_p: np.ndarray
     num_top: np.ndarray
+    num_sampled: np.ndarray
     processed_rows: np.ndarray
     seeded_rows: np.ndarray
 
@@ -60,9 +63,11 @@ class SamplingColumns:
         self._free.append(slot)
 
     def gather(self, states: list[SamplingState]) -> SamplingBatch:
-        """The rows `states`, in order, as arrays."""
+        """The rows `states` of a step, in order, as arrays; counts one more row sampled
+        for each (a sequence has one row a step at most)."""
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
         c = self._columns
+        c.num_sampled[slots] += 1
         return SamplingBatch(
             states=states,
             all_plain_greedy=bool(c.plain_greedy[slots].all()),
@@ -72,6 +77,7 @@ class SamplingColumns:
             top_p=c.top_p[slots],
             min_p=c.min_p[slots],
             num_top=c.num_top[slots],
+            num_sampled=c.num_sampled[slots],
             processed_rows=np.flatnonzero(c.processes_logits[slots]),
             seeded_rows=np.flatnonzero(c.seeded[slots]),
         )
@@ -90,6 +96,7 @@ class _Columns:
         self.top_p = np.zeros(capacity, dtype=np.float32)
         self.min_p = np.zeros(capacity, dtype=np.float32)
         self.num_top = np.zeros(capacity, dtype=np.int64)
+        self.num_sampled = np.zeros(capacity, dtype=np.int64)
 
     def grown(self) -> _Columns:
         """A copy with twice the slots."""
@@ -104,6 +111,7 @@ class _Columns:
         self.plain_greedy[slot] = params.is_plain_greedy
         self.processes_logits[slot] = params.processes_logits
         self.seeded[slot] = state.generator is not None
+        self.num_sampled[slot] = 0
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k
         self.top_p[slot] = params.top_p

@@ -15,11 +15,10 @@ class SamplingState:
     """One sampled sequence's state, from its first sampled step until the scheduler lists it
     finished (a preempted sequence keeps it: its seeded draws go on where they stopped).
 
-    `num_sampled` counts the rows sampled for it so far, this step's included: the tokens
-    known and those still in flight (min_tokens counts both). `output_token_ids` holds the
-    tokens that reached the host, kept only when the parameters read them (penalties, bad
-    words); requests with those never run a step ahead, so every earlier token is there when
-    a row is sampled.
+    `output_token_ids` holds the tokens that reached the host, kept only when the
+    parameters read them (penalties, bad words); requests with those never run a step ahead,
+    so every earlier token is there when a row is sampled. Its parameters, and the count of
+    rows sampled for it, are in the input batch's `SamplingColumns`, at `slot`.
     """
 
     seq_id: int
@@ -29,8 +28,7 @@ class SamplingState:
     generator: torch.Generator | None
     keeps_outputs: bool
     output_token_ids: list[int] = field(default_factory=list)
-    num_sampled: int = 0
-    slot: int = -1  # its parameters' slot in the input batch's SamplingColumns
+    slot: int = -1
 
     @classmethod
     def create(cls, new: NewSampledSequence, device: torch.device) -> SamplingState:

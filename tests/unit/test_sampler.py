@@ -27,22 +27,23 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
 
 
 def request(prompt=(1,), output=(), seed=None, **params) -> SamplingState:
-    """The worker's state of a sequence with `output` sampled so far, as the input batch
-    leaves it for the row being sampled (which it has already counted)."""
+    """The worker's state of a sequence with `output` sampled so far."""
     sampling = SamplingParams(seed=seed, **params)
     stops = stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, EOS)
     new = NewSampledSequence(0, sampling, list(prompt), 0, stops)
     state = SamplingState.create(new, torch.device("cpu"))
     state.output_token_ids += list(output)
-    state.num_sampled = len(output) + 1
     return state
 
 
 def batch(states: list[SamplingState]) -> SamplingBatch:
-    """The rows `states` (one state may fill several), as the input batch gathers them."""
+    """The rows `states` (one state may fill several) as the input batch gathers them, each
+    sequence's earlier outputs counted as the steps that sampled them counted them."""
     columns = SamplingColumns(1)
     for state in {id(s): s for s in states}.values():
         state.slot = columns.add(state)
+        for _ in state.output_token_ids:
+            columns.gather([state])
     return columns.gather(states)
 
 
