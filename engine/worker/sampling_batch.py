@@ -3,7 +3,7 @@ of them as arrays: the sampler reads a batch's parameters without a loop over it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -12,11 +12,11 @@ from octavo.engine.worker.sampling_state import SamplingState
 NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
 
 
-@dataclass
 class SamplingBatch:
-    """One step's sampled rows, in row order: per-row parameters as arrays ([R]) and the
-    rows' states (`states`), which the work that is a row's own reads (its logits
-    processing, its seeded draws).
+    """One step's sampled rows, in row order: per-row parameters as arrays ([R]), gathered
+    from the columns when first read (a step of plain greedy rows reads one), and the rows'
+    states (`states`), which the work that is a row's own reads (its logits processing, its
+    seeded draws).
 
     `num_top`: the top log-probabilities each row returns (NO_LOGPROBS: none; 0: only the
     sampled token's, for best_of ranking). `num_sampled`: the rows sampled for each row's
@@ -25,20 +25,53 @@ class SamplingBatch:
     (penalties, masks, biases) / that draw from their own generator.
     """
 
-    states: list[SamplingState]
-    all_plain_greedy: bool
-    greedy: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    num_top: np.ndarray
-    num_sampled: np.ndarray
-    processed_rows: np.ndarray
-    seeded_rows: np.ndarray
+    def __init__(self, states: list[SamplingState], slots: np.ndarray, columns: _Columns):
+        self.states = states
+        self._slots = slots
+        self._columns = columns
 
     def __len__(self) -> int:
         return len(self.states)
+
+    @cached_property
+    def all_plain_greedy(self) -> bool:
+        return bool(self._columns.plain_greedy[self._slots].all())
+
+    @cached_property
+    def greedy(self) -> np.ndarray:
+        return self._columns.greedy[self._slots]
+
+    @cached_property
+    def temperature(self) -> np.ndarray:
+        return self._columns.temperature[self._slots]
+
+    @cached_property
+    def top_k(self) -> np.ndarray:
+        return self._columns.top_k[self._slots]
+
+    @cached_property
+    def top_p(self) -> np.ndarray:
+        return self._columns.top_p[self._slots]
+
+    @cached_property
+    def min_p(self) -> np.ndarray:
+        return self._columns.min_p[self._slots]
+
+    @cached_property
+    def num_top(self) -> np.ndarray:
+        return self._columns.num_top[self._slots]
+
+    @cached_property
+    def num_sampled(self) -> np.ndarray:
+        return self._columns.num_sampled[self._slots]
+
+    @cached_property
+    def processed_rows(self) -> np.ndarray:
+        return np.flatnonzero(self._columns.processes_logits[self._slots])
+
+    @cached_property
+    def seeded_rows(self) -> np.ndarray:
+        return np.flatnonzero(self._columns.seeded[self._slots])
 
 
 class SamplingColumns:
@@ -66,21 +99,8 @@ class SamplingColumns:
         """The rows `states` of a step, in order, as arrays; counts one more row sampled
         for each (a sequence has one row a step at most)."""
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
-        c = self._columns
-        c.num_sampled[slots] += 1
-        return SamplingBatch(
-            states=states,
-            all_plain_greedy=bool(c.plain_greedy[slots].all()),
-            greedy=c.greedy[slots],
-            temperature=c.temperature[slots],
-            top_k=c.top_k[slots],
-            top_p=c.top_p[slots],
-            min_p=c.min_p[slots],
-            num_top=c.num_top[slots],
-            num_sampled=c.num_sampled[slots],
-            processed_rows=np.flatnonzero(c.processes_logits[slots]),
-            seeded_rows=np.flatnonzero(c.seeded[slots]),
-        )
+        self._columns.num_sampled[slots] += 1
+        return SamplingBatch(states, slots, self._columns)
 
 
 class _Columns:

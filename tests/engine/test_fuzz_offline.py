@@ -1,4 +1,4 @@
-"""Fuzzing the offline API (issue 11): any keyword values for SamplingParams or
+"""Fuzzing the offline API: any keyword values for SamplingParams or
 BeamSearchParams either raise ParameterError naming a parameter at construction, or
 generate to the end; the engine never raises mid-run and every KV block comes back."""
 

@@ -1,4 +1,4 @@
-"""One request's failure is its own (issue 11): a fault while processing one request fails
+"""One request's failure is its own: a fault while processing one request fails
 that request, frees its blocks and leaves the others' tokens exactly as without it; a fault
 of a step itself fails every in-flight request and calls the fatal handler; inputs that once
 raised inside the engine are refused at validation instead."""

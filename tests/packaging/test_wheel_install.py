@@ -1,4 +1,4 @@
-"""The install path a user takes (issue 12): build the wheel, install it without extras into
+"""The install path a user takes: build the wheel, install it without extras into
 a fresh venv (torch pinned as constraints.txt says), serve the embedded default model with the
 installed `octavo` command and complete a request through it; the only top-level import the
 wheel adds is `octavo`, and `octavo bench serve` names the extra it needs."""

@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP API (issue 11): whatever a client sends, the answer is a 200 or an
+"""Fuzzing the HTTP API: whatever a client sends, the answer is a 200 or an
 OpenAI-shaped 4xx, never a 5xx, and afterwards nothing is left running and every KV block is
 free. A property-based test over every completion field (extreme and ill-typed values), and a
 bounded, seeded schemathesis run over /openapi.json."""

@@ -1,4 +1,4 @@
-"""Requests that once killed the engine or got a 500 (issue 11): each is now a 4xx naming the
+"""Requests that once killed the engine or got a 500: each is now a 4xx naming the
 field, or an answer, and the server keeps serving everyone else; a non-streaming client that
 leaves aborts its request; auth is constant-time and case-insensitive in its scheme."""
 

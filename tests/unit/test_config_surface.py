@@ -1,4 +1,4 @@
-"""EngineConfig is the one source of the engine's settings (issue 13, item 4): every field
+"""EngineConfig is the one source of the engine's settings: every field
 is a CLI flag with the field's default, and a keyword of the offline LLM."""
 
 import dataclasses
