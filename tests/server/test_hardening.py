@@ -1,6 +1,8 @@
-"""Requests that once killed the engine or got a 500: each is now a 4xx naming the
-field, or an answer, and the server keeps serving everyone else; a non-streaming client that
-leaves aborts its request; auth is constant-time and case-insensitive in its scheme."""
+"""What needs a live server's socket or command line: a non-streaming client that leaves
+aborts its request; an empty --api-key is refused at startup; a chunked body over the limit
+is a 413 and the server keeps serving; the Host check on loopback and --allowed-hosts; a
+connection that never finishes its headers is closed. The requests that once killed the
+engine or got a 500 are checked in-process (inprocess/test_hardening.py)."""
 
 import socket
 import subprocess
@@ -32,78 +34,6 @@ def assert_still_serving(server) -> None:
     assert wait_for_idle(server, timeout=5.0)["octavo:kv_cache_usage_perc"] == 0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-@pytest.mark.parametrize("seed", [2**64 - 1, 2**70, -(2**63) - 1])
-def test_out_of_range_seeds_are_400_and_the_engine_lives(server, seed, stream):
-    response = post(server, GOOD | {"n": 2, "seed": seed, "stream": stream})
-    assert_error(response, 400, "seed")
-    assert_still_serving(server)
-
-
-def test_the_largest_seeds_with_parallel_samples_work(server):
-    for seed in (2**63 - 1, -(2**63)):
-        response = post(server, GOOD | {"n": 4, "seed": seed, "temperature": 1.0})
-        assert response.status_code == 200, response.text
-        assert len(response.json()["choices"]) == 4
-
-
-@pytest.mark.parametrize("length_penalty", [400.0, -1e308, 1e308])
-def test_extreme_length_penalties_finish_and_the_engine_lives(server, length_penalty):
-    body = GOOD | {"use_beam_search": True, "best_of": 2, "length_penalty": length_penalty}
-    response = post(server, body | {"max_tokens": 6})
-    assert response.status_code == 200, response.text
-    assert len(response.json()["choices"]) == 1
-    assert_still_serving(server)
-
-
-@pytest.mark.parametrize(
-    ("raw", "param"),
-    [
-        (b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
-        (b'{"model": "tiny", "prompt": ["ok", "a\\udfffb"]}', "prompt"),
-        (b'{"model": "\\ud800", "prompt": "x"}', "model"),
-        (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', "stop"),
-        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
-        (b'{"model": "tiny", "prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
-        (b'{"model": "tiny", "prompt": "x", "length_penalty": -Infinity}', "length_penalty"),
-        (b'{"model": "tiny", "prompt": [true, false]}', "prompt"),
-        (b'{"model": "tiny", "prompt": "x", "stream": "yes"}', "stream"),
-        (b'{"model": "tiny", "prompt": "x", "max_tokens": true}', "max_tokens"),
-        (b'{"model": "tiny", "prompt": "x", "n": 2.5}', "n"),
-        (b'{"model": "tiny", "prompt": [1, 2.5]}', "prompt"),
-        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
-        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
-        (b'{"model": "tiny", "prompt": "x", "allowed_token_ids": [true]}', "allowed_token_ids"),
-        (b'{"model": "tiny", "prompt": "x", "bad_words": ["\\ud800"]}', "bad_words"),
-        (
-            b'{"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}',
-            "truncate_prompt_tokens",
-        ),
-        (b'{"model": "tiny", "prompt": "x", "response_format": {}}', "response_format"),
-        (b'{"model": "tiny", "prompt": "x", "guided_json": {}}', "guided_json"),
-    ],
-)
-def test_bad_values_are_400_naming_the_field_never_500(server, raw, param):
-    assert_error(post(server, raw), 400, param)
-    if b'"stream"' not in raw:  # the same as a stream: refused before any event is sent
-        assert_error(post(server, raw[:-1] + b', "stream": true}'), 400, param)
-
-
-def test_null_means_the_default_and_unknown_fields_are_ignored(server):
-    nulls = {
-        "temperature": None, "top_p": None, "n": None, "stream": None, "stop": None,
-        "presence_penalty": None, "frequency_penalty": None, "seed": None, "echo": None,
-        "logprobs": None, "user": None, "best_of": None, "stream_options": None,
-    }  # fmt: skip
-    response = post(server, GOOD | nulls | {"a_field_nobody_defined": 3})
-    assert response.status_code == 200, response.text
-    assert len(response.json()["choices"]) == 1
-
-
-def test_too_many_prompts_in_one_request_is_a_400(server):
-    assert_error(post(server, GOOD | {"prompt": ["x"] * 300}), 400, "prompt")
-
-
 def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
     # Four prompts x 16 samples x 240 tokens: far more than the client's half second buys,
     # however fast the server has become.
@@ -121,33 +51,6 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
     assert time.monotonic() - left < 3.0
     generated = metrics["octavo:generation_tokens_total"] - before
     assert generated < 4 * 16 * 240, "the request ran to completion after its client left"
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_model_dir, tmp_path_factory):
-    with live_server(tiny_model_dir, tmp_path_factory.mktemp("key"), "--api-key", "s3cret") as s:
-        yield s
-
-
-@pytest.mark.parametrize(
-    ("authorization", "status"),
-    [
-        ("Bearer s3cret", 200),
-        ("bearer s3cret", 200),
-        ("BEARER  s3cret", 200),
-        ("Bearer s3cre", 401),
-        ("Bearer s3cret2", 401),
-        ("Basic s3cret", 401),
-        ("s3cret", 401),
-        ("", 401),
-    ],
-)
-def test_bearer_scheme_is_case_insensitive_and_the_key_exact(keyed_server, authorization, status):
-    headers = {"authorization": authorization} if authorization else {}
-    response = post(keyed_server, GOOD, headers=headers)
-    assert response.status_code == status, response.text
-    if status == 401:
-        assert_error(response, 401)
 
 
 @pytest.mark.parametrize("key", ["", "   "])
@@ -174,15 +77,6 @@ def test_a_chunked_body_over_the_limit_is_413(server):
     )
     assert_error(response, 413)
     assert_still_serving(server)
-
-
-@pytest.mark.parametrize(
-    ("change", "param"),
-    [({"n": 17}, "n"), ({"use_beam_search": True, "best_of": 17}, "best_of")],
-)
-def test_one_request_cannot_take_every_sequence_slot(server, change, param):
-    """The test server has max_num_seqs 64, so --max-n defaults to 16."""
-    assert_error(post(server, GOOD | change), 400, param)
 
 
 def test_a_foreign_host_header_is_refused_on_loopback(server):

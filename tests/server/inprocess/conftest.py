@@ -61,14 +61,20 @@ class LoopTransport(httpx.BaseTransport):
 
 
 class InProcessServer:
-    """One app with its engine on a loop thread; `close` runs the app's lifespan shutdown."""
+    """One app with its engine on a loop thread; `close` runs the app's lifespan shutdown.
+    `engine_args` change ENGINE_ARGS (the engine flags of `octavo serve`, as --stream-interval),
+    `server_config` the ServerConfig."""
 
-    def __init__(self, model_dir: str, **server_config: Any):
+    def __init__(
+        self, model_dir: str, engine_args: dict[str, Any] | None = None, **server_config: Any
+    ):
         self.model_dir = model_dir
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        engine_config = EngineConfig(model=model_dir, device="cpu", **ENGINE_ARGS)
+        engine_config = EngineConfig(
+            model=model_dir, device="cpu", **(ENGINE_ARGS | (engine_args or {}))
+        )
         self.engine = AsyncEngine.in_process(engine_config, MAX_NUM_WAITING)
         config = {
             "served_model_name": MODEL_NAME,

@@ -55,6 +55,7 @@ def test_a_greedy_completion_is_the_offline_generation(http, offline, tiny_model
     assert choice["text"] == expected.text and choice["index"] == 0
     assert choice["finish_reason"] == expected.finish_reason
     assert out["object"] == "text_completion" and out["model"] == MODEL_NAME
+    assert out["id"].startswith("cmpl-") and out["created"] > 0
     oracle = tokenizers.Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
     prompt_tokens = len(oracle.encode(PROMPT).ids)
     usage = out["usage"]
@@ -137,10 +138,18 @@ def test_models_are_the_checkpoints_card(http, tiny_model_dir):
 def test_tokenize_is_the_tokenizer_and_detokenize_inverts_it(http, tiny_model_dir):
     text = "The café menu, twice: café!"
     oracle = tokenizers.Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
-    out = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    response = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text})
+    assert response.status_code == 200, response.text
+    out = response.json()
     assert out["tokens"] == oracle.encode(text).ids and out["count"] == len(out["tokens"])
+    assert out["token_strs"] is None and out["max_model_len"] == config["n_positions"]
     back = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": out["tokens"]})
-    assert back.json() == {"prompt": text}
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    # The token ids are the ones a completion of the same text is counted with.
+    body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 1}
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens"] == out["count"]
 
 
 @pytest.mark.parametrize(

@@ -1,25 +1,21 @@
 """Scoring over HTTP: echo + logprobs return the prompt's log-probabilities in OpenAI's shape
 (what lm-evaluation-harness's loglikelihood tasks send and parse), and streamed logprobs
-line up with the non-streamed ones."""
+line up with the non-streamed ones (the app in-process)."""
 
 import json
 
-import httpx
-import openai
 import pytest
 import torch
 
 from tests.server.conftest import MODEL_NAME
-from tests.server.test_sse_framing import read_events
+from tests.server.inprocess.test_sse_framing import read_events
 
 PROMPT_IDS = [17, 230, 41, 99, 5, 311, 64, 150, 12, 77, 401, 8]
 CONTEXT_LEN = 8  # lm-eval's split: context tokens, then the continuation to score
 
 
-def complete(server, **body) -> dict:
-    response = httpx.post(
-        f"{server.base_url}/v1/completions", json={"model": MODEL_NAME} | body, timeout=60
-    )
+def complete(http, **body) -> dict:
+    response = http.post("/v1/completions", json={"model": MODEL_NAME} | body)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -30,10 +26,10 @@ def hf_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
 
 
-def test_lm_eval_loglikelihood_request(server, hf_tiny):
+def test_lm_eval_loglikelihood_request(http, hf_tiny):
     # The body lm-eval's `local-completions` model sends for a loglikelihood request.
     out = complete(
-        server, prompt=PROMPT_IDS, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234
+        http, prompt=PROMPT_IDS, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234
     )
     choice = out["choices"][0]
     logprobs = choice["logprobs"]
@@ -72,8 +68,7 @@ def test_lm_eval_loglikelihood_request(server, hf_tiny):
     assert out["usage"]["completion_tokens"] == 1
 
 
-def test_max_tokens_zero_scores_the_prompt_alone(server):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
+def test_max_tokens_zero_scores_the_prompt_alone(client):
     out = client.completions.create(
         model=MODEL_NAME, prompt="The quick brown fox", echo=True, logprobs=2, max_tokens=0
     )
@@ -90,19 +85,17 @@ def test_max_tokens_zero_scores_the_prompt_alone(server):
     assert plain.choices[0].text == "Hi there" and plain.choices[0].logprobs is None
 
 
-def test_max_tokens_zero_needs_echo(server):
-    response = httpx.post(
-        f"{server.base_url}/v1/completions",
-        json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 0},
-        timeout=60,
+def test_max_tokens_zero_needs_echo(http):
+    response = http.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
 
 
-def streamed_logprobs(server, body: dict) -> tuple[str, dict[str, list]]:
+def streamed_logprobs(http, body: dict) -> tuple[str, dict[str, list]]:
     """The choice's text and logprobs lists, concatenated over the stream's events."""
-    _, events = read_events(server.base_url, body | {"model": MODEL_NAME, "stream": True})
+    _, events = read_events(http, body | {"model": MODEL_NAME, "stream": True})
     text, merged = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for event in events[:-2]:
         choice = json.loads(event.removeprefix("data: "))["choices"][0]
@@ -121,10 +114,10 @@ def streamed_logprobs(server, body: dict) -> tuple[str, dict[str, list]]:
     ],
     ids=["echo", "stop_strings"],
 )
-def test_streamed_logprobs_equal_the_whole_response(server, body):
+def test_streamed_logprobs_equal_the_whole_response(http, body):
     body = body | {"temperature": 0, "ignore_eos": True}
-    whole = complete(server, **body)["choices"][0]
-    text, merged = streamed_logprobs(server, body)
+    whole = complete(http, **body)["choices"][0]
+    text, merged = streamed_logprobs(http, body)
     assert text == whole["text"]
     assert merged["tokens"] == whole["logprobs"]["tokens"]
     assert merged["text_offset"] == whole["logprobs"]["text_offset"]
@@ -132,8 +125,8 @@ def test_streamed_logprobs_equal_the_whole_response(server, body):
     assert len(set(merged["text_offset"])) == len(merged["text_offset"]) > 5
 
 
-def test_vllm_prompt_logprobs_field(server, hf_tiny):
-    out = complete(server, prompt=PROMPT_IDS, prompt_logprobs=2, max_tokens=2, temperature=0)
+def test_vllm_prompt_logprobs_field(http, hf_tiny):
+    out = complete(http, prompt=PROMPT_IDS, prompt_logprobs=2, max_tokens=2, temperature=0)
     choice = out["choices"][0]
     assert choice["logprobs"] is None  # generation logprobs were not asked for
     scored = choice["prompt_logprobs"]
@@ -152,7 +145,7 @@ def test_vllm_prompt_logprobs_field(server, hf_tiny):
             assert item["rank"] == int((want > want[int(token_id)]).sum()) + 1
     # Streamed, the first chunk carries them; the others do not.
     _, events = read_events(
-        server.base_url,
+        http,
         {"model": MODEL_NAME, "prompt": PROMPT_IDS, "prompt_logprobs": 2, "max_tokens": 3,
          "temperature": 0, "stream": True},
     )  # fmt: skip
@@ -161,20 +154,20 @@ def test_vllm_prompt_logprobs_field(server, hf_tiny):
     assert all(c["prompt_logprobs"] is None for c in chunks[1:])
 
 
-def test_prompt_logprobs_must_agree_with_echoed_logprobs(server):
+def test_prompt_logprobs_must_agree_with_echoed_logprobs(http):
     body = {"model": MODEL_NAME, "prompt": "x y", "echo": True, "logprobs": 1, "prompt_logprobs": 3}
-    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    response = http.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt_logprobs"
 
 
-def test_continuous_usage_stats_count_each_choice(server):
+def test_continuous_usage_stats_count_each_choice(http):
     body = {
         "model": MODEL_NAME, "prompt": "Lists are", "max_tokens": 5, "n": 2, "seed": 3,
         "ignore_eos": True, "stream": True, "logprobs": 0,  # logprobs: tokens per chunk
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }  # fmt: skip
-    _, events = read_events(server.base_url, body)
+    _, events = read_events(http, body)
     *deltas, final = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     tokens: dict[int, int] = {}
     for chunk in deltas:

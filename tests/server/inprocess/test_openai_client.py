@@ -1,34 +1,14 @@
-"""The official openai client (sync and async) against a live server."""
+"""The official openai client (sync and async) against the app in-process: its parsing of
+every response is the oracle of the response's shape."""
 
-import asyncio
-
+import httpx
 import openai
 import pytest
 
-from octavo.engine import LLM, SamplingParams
 from tests.server.conftest import MODEL_NAME
+from tests.server.inprocess.conftest import BASE_URL
 
 PROMPT = "The return statement"
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    return LLM(model=tiny_model_dir, device="cpu", num_blocks=256, block_size=8)
-
-
-def test_non_streaming_greedy_equals_offline_generate(client, offline):
-    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0)
-    expected = offline.generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
-    )[0].outputs[0]
-    assert got.object == "text_completion" and got.id.startswith("cmpl-")
-    assert got.model == MODEL_NAME and got.created > 0
-    assert len(got.choices) == 1 and got.choices[0].index == 0
-    assert got.choices[0].text == expected.text
-    assert got.choices[0].finish_reason == expected.finish_reason
-    assert got.usage.completion_tokens == len(expected.token_ids)
-    assert got.usage.prompt_tokens == len(offline.get_tokenizer().encode(PROMPT))
-    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
 
 
 def test_streaming_concatenates_to_the_non_streaming_text(client):
@@ -140,9 +120,13 @@ def test_include_usage_adds_a_final_usage_chunk(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_async_client_stream_and_not(server):
+def test_async_client_stream_and_not(app_server):
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        transport = httpx.ASGITransport(app=app_server.app)
+        http_client = httpx.AsyncClient(transport=transport, base_url=BASE_URL)
+        client = openai.AsyncOpenAI(
+            base_url=f"{BASE_URL}/v1", api_key="x", max_retries=0, http_client=http_client
+        )
         plain = await client.completions.create(
             model=MODEL_NAME, prompt=[PROMPT, "Lists"], max_tokens=8, temperature=0
         )
@@ -153,11 +137,6 @@ def test_async_client_stream_and_not(server):
         await client.close()
         return plain, texts
 
-    plain, texts = asyncio.run(main())
+    plain, texts = app_server.run(main())
     assert [c.index for c in plain.choices] == [0, 1]
     assert "".join(texts) == plain.choices[0].text
-
-
-def test_models_endpoint(client):
-    models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL_NAME]

@@ -1,5 +1,5 @@
 """Token controls over HTTP: OpenAI's logit_bias (string keys, clamped), vLLM's
-allowed_token_ids, bad_words and truncate_prompt_tokens."""
+allowed_token_ids, bad_words and truncate_prompt_tokens (the app in-process)."""
 
 import httpx
 import pytest
@@ -9,48 +9,48 @@ from tests.server.conftest import MODEL_NAME
 PROMPT = [17, 230, 41, 99, 5, 311]
 
 
-def complete(server, **body) -> httpx.Response:
+def complete(http: httpx.Client, **body) -> httpx.Response:
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True} | body  # fmt: skip
-    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    return http.post("/v1/completions", json=body)
 
 
-def text_of(server, tokens: list[int]) -> str:
-    response = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}, timeout=30)
+def text_of(http: httpx.Client, tokens: list[int]) -> str:
+    response = http.post("/detokenize", json={"tokens": tokens})
     return response.json()["prompt"]
 
 
-def test_logit_bias_forces_a_token_and_is_clamped_to_100(server):
-    forced = complete(server, logit_bias={"300": 100}).json()["choices"][0]["text"]
-    assert forced == text_of(server, [300] * 8)
+def test_logit_bias_forces_a_token_and_is_clamped_to_100(http):
+    forced = complete(http, logit_bias={"300": 100}).json()["choices"][0]["text"]
+    assert forced == text_of(http, [300] * 8)
     # 10**6 is clamped to 100: the same completion.
-    huge = complete(server, logit_bias={"300": 1e6}).json()["choices"][0]["text"]
+    huge = complete(http, logit_bias={"300": 1e6}).json()["choices"][0]["text"]
     assert huge == forced
 
 
 @pytest.mark.parametrize(
     "bias", [{"abc": 1}, {"-3": 1}, {"1.5": 1}, {"100000000": 1}, {"5": "x"}, {"5": None}]
 )
-def test_bad_logit_bias_is_a_400_naming_it(server, bias):
-    response = complete(server, logit_bias=bias)
+def test_bad_logit_bias_is_a_400_naming_it(http, bias):
+    response = complete(http, logit_bias=bias)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "logit_bias"
 
 
-def test_allowed_token_ids_restrict_the_vocabulary(server):
-    text = complete(server, allowed_token_ids=[300]).json()["choices"][0]["text"]
-    assert text == text_of(server, [300] * 8)
-    response = complete(server, allowed_token_ids=[])
+def test_allowed_token_ids_restrict_the_vocabulary(http):
+    text = complete(http, allowed_token_ids=[300]).json()["choices"][0]["text"]
+    assert text == text_of(http, [300] * 8)
+    response = complete(http, allowed_token_ids=[])
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "allowed_token_ids"
 
 
-def test_bad_words_keep_a_word_out(server):
+def test_bad_words_keep_a_word_out(http):
     body = {"prompt": "The class definition", "max_tokens": 12, "logprobs": 0}
-    plain = complete(server, **body).json()["choices"][0]
+    plain = complete(http, **body).json()["choices"][0]
 
     def one_token(text: str) -> bool:
-        response = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}, timeout=30)
+        response = http.post("/tokenize", json={"prompt": text})
         return response.json()["count"] == 1
 
     # A word the model writes that is one token both alone and after a space: banning it
@@ -60,31 +60,31 @@ def test_bad_words_keep_a_word_out(server):
         for t in plain["logprobs"]["tokens"]
         if t.strip().isalpha() and one_token(t.strip()) and one_token(" " + t.strip())
     )
-    banned = complete(server, **body, bad_words=[word]).json()["choices"][0]
+    banned = complete(http, **body, bad_words=[word]).json()["choices"][0]
     assert word not in [t.strip() for t in banned["logprobs"]["tokens"]]
     assert banned["text"] != plain["text"]
 
 
-def test_truncate_prompt_tokens_keeps_the_last_ones(server):
-    out = complete(server, truncate_prompt_tokens=3, echo=True, max_tokens=2).json()
+def test_truncate_prompt_tokens_keeps_the_last_ones(http):
+    out = complete(http, truncate_prompt_tokens=3, echo=True, max_tokens=2).json()
     assert out["usage"]["prompt_tokens"] == 3
-    kept = httpx.post(f"{server.base_url}/detokenize", json={"tokens": PROMPT[-3:]}, timeout=30)
+    kept = http.post("/detokenize", json={"tokens": PROMPT[-3:]})
     assert out["choices"][0]["text"].startswith(kept.json()["prompt"])
 
 
-def test_beam_search_refuses_token_controls(server):
-    response = complete(server, use_beam_search=True, n=2, logit_bias={"5": 1.0})
+def test_beam_search_refuses_token_controls(http):
+    response = complete(http, use_beam_search=True, n=2, logit_bias={"5": 1.0})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "logit_bias"
 
 
-def test_best_of_returns_n_choices_and_cannot_stream(server):
+def test_best_of_returns_n_choices_and_cannot_stream(http):
     body = {"n": 2, "best_of": 4, "temperature": 1.0, "seed": 5, "logprobs": 0}
-    out = complete(server, **body).json()
+    out = complete(http, **body).json()
     assert [c["index"] for c in out["choices"]] == [0, 1]
     totals = [sum(c["logprobs"]["token_logprobs"]) for c in out["choices"]]
     assert totals[0] >= totals[1]
     for bad in ({"stream": True}, {"best_of": 1}):
-        response = complete(server, **(body | bad))
+        response = complete(http, **(body | bad))
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "best_of"

@@ -1,21 +1,22 @@
 """Prefix caching seen from the API: usage.prompt_tokens_details.cached_tokens (OpenAI's
-field) and the octavo:prefix_cache_* counters (vLLM's), streamed and not."""
+field) and the octavo:prefix_cache_* counters (vLLM's), streamed and not (the app in-process)."""
 
 from tests.server.conftest import MODEL_NAME
+from tests.server.inprocess.conftest import ENGINE_ARGS
 
-BLOCK_SIZE = 8  # the test servers' --block-size
+BLOCK_SIZE = ENGINE_ARGS["block_size"]
 # 40 token ids: 4 full blocks, plus the last token's to compute.
 PROMPT = [(7 * i) % 500 + 1 for i in range(41)]
 
 
-def test_a_repeated_prompt_reports_its_cached_tokens(server, client):
-    before = server.metrics()
+def test_a_repeated_prompt_reports_its_cached_tokens(app_server, client):
+    before = app_server.metrics()
     first = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     again = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     # Full blocks only, and never the last prompt token: 5 blocks hold 40 of the 41 tokens.
     assert again.usage.prompt_tokens_details.cached_tokens == 5 * BLOCK_SIZE
     assert first.usage.prompt_tokens_details.cached_tokens in (0, 5 * BLOCK_SIZE)
-    after = server.metrics()
+    after = app_server.metrics()
     queries = "octavo:prefix_cache_queries_total"
     hits = "octavo:prefix_cache_hits_total"
     assert after[queries] - before[queries] == 2 * len(PROMPT)

@@ -1,34 +1,41 @@
 """--stream-interval N over HTTP: fewer events, the first token at once, and the events of
 every stream concatenating to exactly what a server with interval 1 streams (text, logprobs,
-usage) for n > 1, echo, stop strings and chat."""
+usage) for n > 1, echo, stop strings and chat. Both apps in-process: the batching is the
+engine's and the app's, the bytes are the same over a socket."""
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, live_server
+from tests.server.conftest import MODEL_NAME
+from tests.server.inprocess.conftest import InProcessServer
 
 INTERVAL = 4
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def batched(tiny_model_dir, tmp_path_factory):
-    """A server like the shared one, streaming every INTERVAL tokens."""
-    with live_server(
-        tiny_model_dir, tmp_path_factory.mktemp("interval"),
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
-        "--chat-template", CHAT_TEMPLATE, "--stream-interval", str(INTERVAL),
-    ) as s:  # fmt: skip
-        yield s
+def unbatched(http) -> httpx.Client:
+    """The shared app: a stream event per token."""
+    return http
 
 
-def stream(base_url: str, route: str, body: dict) -> list[dict]:
+@pytest.fixture(scope="module")
+def batched(tiny_model_dir) -> Iterator[httpx.Client]:
+    """An app like the shared one, streaming every INTERVAL tokens."""
+    app = InProcessServer(tiny_model_dir, engine_args={"stream_interval": INTERVAL})
+    try:
+        yield app.http
+    finally:
+        app.close()
+
+
+def stream(http: httpx.Client, route: str, body: dict) -> list[dict]:
     """The chunks of one stream, [DONE] checked last."""
-    with httpx.stream("POST", f"{base_url}{route}", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        events = "".join(response.iter_text()).split("\n\n")
+    response = http.post(route, json=body)
+    assert response.status_code == 200
+    events = response.text.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
 
@@ -46,14 +53,14 @@ def completion_tokens(choice: dict) -> list[str]:
     return choice["logprobs"]["tokens"]
 
 
-def test_completions_concatenate_to_the_unbatched_stream(server, batched):
+def test_completions_concatenate_to_the_unbatched_stream(unbatched, batched):
     body = {
         "model": MODEL_NAME, "prompt": "Lists are", "max_tokens": 14, "n": 2, "seed": 3,
         "temperature": 0.9, "logprobs": 2, "stream": True, "ignore_eos": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False},
     }  # fmt: skip
-    every = stream(server.base_url, "/v1/completions", body)
-    fewer = stream(batched.base_url, "/v1/completions", body)
+    every = stream(unbatched, "/v1/completions", body)
+    fewer = stream(batched, "/v1/completions", body)
     assert fewer[-1]["usage"] == every[-1]["usage"]
     assert every[-1]["usage"]["completion_tokens"] == 28
     assert len(fewer) < len(every)
@@ -72,15 +79,15 @@ def test_completions_concatenate_to_the_unbatched_stream(server, batched):
         assert all(size >= INTERVAL for size in sizes[1:-1]) and sum(sizes) == 14
 
 
-def test_echo_and_a_stop_string_split_across_tokens(server, batched):
+def test_echo_and_a_stop_string_split_across_tokens(unbatched, batched):
     base = {"model": MODEL_NAME, "prompt": "The list", "max_tokens": 16, "temperature": 0}
-    text = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=60).json()
+    text = unbatched.post("/v1/completions", json=base).json()
     generated = text["choices"][0]["text"]
     stop = generated[6:9]  # from the middle: the output must end where it starts
     assert stop and stop in generated
     body = {**base, "stop": [stop], "echo": True, "logprobs": 0, "stream": True}
-    every = stream(server.base_url, "/v1/completions", body)
-    fewer = stream(batched.base_url, "/v1/completions", body)
+    every = stream(unbatched, "/v1/completions", body)
+    fewer = stream(batched, "/v1/completions", body)
     whole = "".join(c["choices"][0]["text"] for c in fewer)
     assert whole == "".join(c["choices"][0]["text"] for c in every)
     assert whole == "The list" + generated[: generated.index(stop)]
@@ -88,14 +95,14 @@ def test_echo_and_a_stop_string_split_across_tokens(server, batched):
     assert fewer[-1]["choices"][0]["stop_reason"] == stop
 
 
-def test_chat_concatenates_to_the_unbatched_stream(server, batched):
+def test_chat_concatenates_to_the_unbatched_stream(unbatched, batched):
     body = {
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "Name a list."}],
         "max_tokens": 13, "temperature": 0, "logprobs": True, "top_logprobs": 1,
         "stream": True, "ignore_eos": True,
     }  # fmt: skip
-    every = stream(server.base_url, "/v1/chat/completions", body)
-    fewer = stream(batched.base_url, "/v1/chat/completions", body)
+    every = stream(unbatched, "/v1/chat/completions", body)
+    fewer = stream(batched, "/v1/chat/completions", body)
     assert fewer[0]["choices"][0]["delta"]["role"] == "assistant"
     contents = [
         per_choice(chunks[1:], lambda c: c["delta"]["content"])[0] for chunks in (every, fewer)

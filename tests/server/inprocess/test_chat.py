@@ -1,6 +1,6 @@
-"""/v1/chat/completions through the official openai client and raw HTTP: the conversation is
-rendered as transformers' apply_chat_template renders it (the oracle), then completed exactly
-as the offline engine completes that prompt."""
+"""/v1/chat/completions through the official openai client and raw HTTP, the app in-process:
+the conversation is rendered as transformers' apply_chat_template renders it (the oracle), then
+completed exactly as the offline engine completes that prompt."""
 
 import asyncio
 import json
@@ -47,8 +47,8 @@ def hf_prompt(hf_tokenizer, messages=RENDERED_MESSAGES, **kwargs) -> list[int]:
     return hf_tokenizer.encode(text, add_special_tokens=False)
 
 
-def post(server, body: dict, **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60, **kwargs)
+def post(http: httpx.Client, body: dict) -> httpx.Response:
+    return http.post("/v1/chat/completions", json=body)
 
 
 def test_greedy_chat_is_the_offline_completion_of_the_rendered_conversation(
@@ -132,9 +132,9 @@ def test_chat_logprobs_in_openai_shape(client, offline, hf_tokenizer):
     assert token_bytes.decode(errors="replace") == got.choices[0].message.content
 
 
-def test_template_variables_and_continuing_the_final_message(server, offline, hf_tokenizer):
+def test_template_variables_and_continuing_the_final_message(http, offline, hf_tokenizer):
     with_preamble = post(
-        server,
+        http,
         {
             "model": MODEL_NAME,
             "messages": MESSAGES,
@@ -155,7 +155,7 @@ def test_template_variables_and_continuing_the_final_message(server, offline, hf
         "add_generation_prompt": False,
         "continue_final_message": True,
     }
-    got = post(server, body).json()
+    got = post(http, body).json()
     prompt = hf_prompt(hf_tokenizer, partial, continue_final_message=True)
     assert hf_tokenizer.decode(prompt).endswith("<|im_start|>assistant\nx = [")
     expected = offline.generate(
@@ -165,7 +165,7 @@ def test_template_variables_and_continuing_the_final_message(server, offline, hf
     assert got["choices"][0]["message"]["content"] == expected.text
 
 
-def test_chat_takes_the_completion_parameters(server, client):
+def test_chat_takes_the_completion_parameters(http, client):
     """Seeds, stops, n, logit_bias and vLLM's extras mean what they mean for completions."""
     common = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, n=3, seed=7, temperature=1)
     first = client.chat.completions.create(**common)
@@ -181,7 +181,7 @@ def test_chat_takes_the_completion_parameters(server, client):
     )
     assert forced.usage.completion_tokens == 5
     stopped = post(
-        server,
+        http,
         {
             "model": MODEL_NAME,
             "messages": MESSAGES,
@@ -195,9 +195,9 @@ def test_chat_takes_the_completion_parameters(server, client):
     # The default response format, said explicitly, and an empty tool list ask for nothing.
     plain = {"response_format": {"type": "text"}, "tools": []}
     body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2} | plain
-    assert post(server, body).status_code == 200
+    assert post(http, body).status_code == 200
     scored = post(
-        server, {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 1}
+        http, {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 1}
     ).json()
     assert scored["prompt_logprobs"][0] is None
     assert len(scored["prompt_logprobs"]) == scored["usage"]["prompt_tokens"]
@@ -225,24 +225,21 @@ def test_chat_takes_the_completion_parameters(server, client):
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
-def test_bad_chat_requests_are_400_naming_the_field(server, change, param):
+def test_bad_chat_requests_are_400_naming_the_field(http, change, param):
     body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4} | change
     raw = json.dumps(body).encode("utf-8", "surrogatepass")
-    response = httpx.post(
-        f"{server.base_url}/v1/chat/completions",
-        content=raw,
-        headers={"content-type": "application/json"},
-        timeout=30,
+    response = http.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
-def test_an_unknown_model_is_404_and_the_server_ends_idle(server):
-    response = post(server, {"model": "gpt-4o", "messages": MESSAGES})
+def test_an_unknown_model_is_404_and_the_server_ends_idle(app_server, http):
+    response = post(http, {"model": "gpt-4o", "messages": MESSAGES})
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
-    metrics = wait_for_idle(server, timeout=5.0)
+    metrics = wait_for_idle(app_server, timeout=5.0)
     assert metrics["octavo:num_requests_running"] == 0
     assert metrics["octavo:kv_cache_usage_perc"] == 0
 

@@ -1,4 +1,5 @@
-"""Raw HTTP checks of the SSE stream: framing, required fields, usage, [DONE]."""
+"""The SSE stream's bytes as the app writes them: framing, required fields, usage, [DONE]
+(in-process; the framing is the app's, uvicorn only carries the bytes)."""
 
 import json
 
@@ -9,15 +10,18 @@ from tests.server.conftest import MODEL_NAME
 REQUIRED = {"id", "object", "created", "model", "choices"}
 
 
-def read_events(base_url: str, body: dict) -> tuple[str, list[str]]:
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"].startswith("text/event-stream")
-        raw = "".join(response.iter_text())
+def read_events(
+    http: httpx.Client, body: dict, path: str = "/v1/completions"
+) -> tuple[str, list[str]]:
+    """A 200 event stream's text, and that text split at its blank lines."""
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    raw = response.text
     return raw, raw.split("\n\n")
 
 
-def test_every_event_is_a_data_line_and_the_stream_ends_with_done(server):
+def test_every_event_is_a_data_line_and_the_stream_ends_with_done(http):
     body = {
         "model": MODEL_NAME,
         "prompt": "Lists are",
@@ -29,7 +33,7 @@ def test_every_event_is_a_data_line_and_the_stream_ends_with_done(server):
         "n": 2,
         "seed": 1,
     }
-    raw, events = read_events(server.base_url, body)
+    raw, events = read_events(http, body)
     assert raw.endswith("data: [DONE]\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     chunks = []
@@ -57,7 +61,7 @@ def test_every_event_is_a_data_line_and_the_stream_ends_with_done(server):
     assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
 
 
-def test_streamed_text_never_holds_half_a_character_or_a_partial_stop(server):
+def test_streamed_text_never_holds_half_a_character_or_a_partial_stop(http):
     base = {
         "model": MODEL_NAME,
         "prompt": "The café menu",
@@ -65,16 +69,16 @@ def test_streamed_text_never_holds_half_a_character_or_a_partial_stop(server):
         "temperature": 0,
         "ignore_eos": True,
     }
-    full = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=60).json()
+    full = http.post("/v1/completions", json=base).json()
     text = full["choices"][0]["text"]
     stop = text[20:26]
-    _, events = read_events(server.base_url, base | {"stream": True, "stop": [stop]})
+    _, events = read_events(http, base | {"stream": True, "stop": [stop]})
     deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-2]]
     # Deltas only ever append: had a partial stop string been sent, it would be here.
     assert "".join(deltas) == text[: text.index(stop)]
 
 
-def test_echo_prepends_the_prompt(server):
+def test_echo_prepends_the_prompt(http):
     body = {
         "model": MODEL_NAME,
         "prompt": "Echo me",
@@ -82,14 +86,12 @@ def test_echo_prepends_the_prompt(server):
         "temperature": 0,
         "echo": True,
     }
-    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
-    plain = httpx.post(
-        f"{server.base_url}/v1/completions", json=body | {"echo": False}, timeout=60
-    ).json()
+    out = http.post("/v1/completions", json=body).json()
+    plain = http.post("/v1/completions", json=body | {"echo": False}).json()
     assert out["choices"][0]["text"] == "Echo me" + plain["choices"][0]["text"]
 
 
-def test_token_id_prompts_and_several_prompts(server):
+def test_token_id_prompts_and_several_prompts(http):
     body = {
         "model": MODEL_NAME,
         "prompt": [[5, 6, 7], [8, 9]],
@@ -98,6 +100,6 @@ def test_token_id_prompts_and_several_prompts(server):
         "ignore_eos": True,
         "n": 2,
     }
-    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+    out = http.post("/v1/completions", json=body).json()
     assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2, 3]
     assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 16

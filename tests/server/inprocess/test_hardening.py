@@ -1,0 +1,142 @@
+"""Requests that once killed the engine or got a 500 (the app in-process): each is now a 4xx
+naming the field, or an answer, and the app keeps serving everyone else; auth is
+case-insensitive in its scheme and exact in its key. What needs a socket (a client that
+leaves, chunked bodies, Host and header deadlines) is in tests/server/test_hardening.py."""
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+from tests.server.inprocess.conftest import InProcessServer
+from tests.server.openai_errors import assert_error
+from tests.server.test_load_and_disconnect import wait_for_idle
+
+GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+
+
+def post(http: httpx.Client, body: dict | bytes, **kwargs) -> httpx.Response:
+    if isinstance(body, bytes):
+        headers = {"content-type": "application/json"}
+        return http.post("/v1/completions", content=body, headers=headers, **kwargs)
+    return http.post("/v1/completions", json=body, **kwargs)
+
+
+def assert_still_serving(app_server: InProcessServer) -> None:
+    assert app_server.http.get("/health").status_code == 200
+    response = post(app_server.http, GOOD)
+    assert response.status_code == 200, response.text
+    assert wait_for_idle(app_server, timeout=5.0)["octavo:kv_cache_usage_perc"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**70, -(2**63) - 1])
+def test_out_of_range_seeds_are_400_and_the_engine_lives(app_server, http, seed, stream):
+    response = post(http, GOOD | {"n": 2, "seed": seed, "stream": stream})
+    assert_error(response, 400, "seed")
+    assert_still_serving(app_server)
+
+
+def test_the_largest_seeds_with_parallel_samples_work(http):
+    for seed in (2**63 - 1, -(2**63)):
+        response = post(http, GOOD | {"n": 4, "seed": seed, "temperature": 1.0})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 4
+
+
+@pytest.mark.parametrize("length_penalty", [400.0, -1e308, 1e308])
+def test_extreme_length_penalties_finish_and_the_engine_lives(app_server, http, length_penalty):
+    body = GOOD | {"use_beam_search": True, "best_of": 2, "length_penalty": length_penalty}
+    response = post(http, body | {"max_tokens": 6})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    assert_still_serving(app_server)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+        (b'{"model": "tiny", "prompt": ["ok", "a\\udfffb"]}', "prompt"),
+        (b'{"model": "\\ud800", "prompt": "x"}', "model"),
+        (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', "stop"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+        (b'{"model": "tiny", "prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
+        (b'{"model": "tiny", "prompt": "x", "length_penalty": -Infinity}', "length_penalty"),
+        (b'{"model": "tiny", "prompt": [true, false]}', "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "stream": "yes"}', "stream"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": true}', "max_tokens"),
+        (b'{"model": "tiny", "prompt": "x", "n": 2.5}', "n"),
+        (b'{"model": "tiny", "prompt": [1, 2.5]}', "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
+        (b'{"model": "tiny", "prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
+        (b'{"model": "tiny", "prompt": "x", "allowed_token_ids": [true]}', "allowed_token_ids"),
+        (b'{"model": "tiny", "prompt": "x", "bad_words": ["\\ud800"]}', "bad_words"),
+        (
+            b'{"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}',
+            "truncate_prompt_tokens",
+        ),
+        (b'{"model": "tiny", "prompt": "x", "response_format": {}}', "response_format"),
+        (b'{"model": "tiny", "prompt": "x", "guided_json": {}}', "guided_json"),
+    ],
+)
+def test_bad_values_are_400_naming_the_field_never_500(http, raw, param):
+    assert_error(post(http, raw), 400, param)
+    if b'"stream"' not in raw:  # the same as a stream: refused before any event is sent
+        assert_error(post(http, raw[:-1] + b', "stream": true}'), 400, param)
+
+
+def test_null_means_the_default_and_unknown_fields_are_ignored(http):
+    nulls = {
+        "temperature": None, "top_p": None, "n": None, "stream": None, "stop": None,
+        "presence_penalty": None, "frequency_penalty": None, "seed": None, "echo": None,
+        "logprobs": None, "user": None, "best_of": None, "stream_options": None,
+    }  # fmt: skip
+    response = post(http, GOOD | nulls | {"a_field_nobody_defined": 3})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+
+
+def test_too_many_prompts_in_one_request_is_a_400(http):
+    assert_error(post(http, GOOD | {"prompt": ["x"] * 300}), 400, "prompt")
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir) -> Iterator[httpx.Client]:
+    """An app like the shared one, with --api-key s3cret."""
+    app = InProcessServer(tiny_model_dir, api_key="s3cret")
+    try:
+        yield app.http
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(
+    ("authorization", "status"),
+    [
+        ("Bearer s3cret", 200),
+        ("bearer s3cret", 200),
+        ("BEARER  s3cret", 200),
+        ("Bearer s3cre", 401),
+        ("Bearer s3cret2", 401),
+        ("Basic s3cret", 401),
+        ("s3cret", 401),
+        ("", 401),
+    ],
+)
+def test_bearer_scheme_is_case_insensitive_and_the_key_exact(keyed, authorization, status):
+    headers = {"authorization": authorization} if authorization else {}
+    response = post(keyed, GOOD, headers=headers)
+    assert response.status_code == status, response.text
+    if status == 401:
+        assert_error(response, 401)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [({"n": 17}, "n"), ({"use_beam_search": True, "best_of": 17}, "best_of")],
+)
+def test_one_request_cannot_take_every_sequence_slot(http, change, param):
+    """The app has max_num_seqs 64, so max_n is 16 (--max-n's default)."""
+    assert_error(post(http, GOOD | change), 400, param)
