@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +29,17 @@ def test_kernel_bench_smoke_writes_its_result(tmp_path):
     assert len(result["prefill"]) == 1
     for row in result["decode"] + result["prefill"]:
         assert row["ours_ms"] > 0 and row["sdpa_ms"] > 0
+    # Rates follow from the times: both kernels of a row move the same bytes (decode) and
+    # do the same FLOPs (prefill), and the fractions are of the reported references.
+    for row in result["decode"]:
+        speed = row["sdpa_ms"] / row["ours_ms"]
+        assert row["ours_gbps"] / row["sdpa_gbps"] == pytest.approx(speed, rel=1e-9)
+        fraction = row["ours_gbps"] / result["copy_bandwidth_gbps"]
+        assert row["fraction_of_copy_bw"] == pytest.approx(fraction, rel=1e-9)
+    for row in result["prefill"]:
+        speed = row["sdpa_ms"] / row["ours_ms"]
+        assert row["ours_tflops"] / row["sdpa_tflops"] == pytest.approx(speed, rel=1e-9)
+        assert row["fraction_of_sdpa"] == pytest.approx(speed, rel=1e-9)
     sweep = result["sweep"]
     assert len(sweep["decode"]) == len(sweep["prefill"]) == 2
     assert all(r["ms"] > 0 and "error" not in r for r in sweep["decode"] + sweep["prefill"])
