@@ -60,6 +60,39 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir, prompts, as
     assert unseeded[0].outputs[0].token_ids != tokens
 
 
+def test_preemption_changes_no_seeded_token(tiny_model_dir, prompts, async_scheduling):
+    """A preempted sequence keeps its worker state (its generator, the outputs a penalty reads,
+    the rows min_tokens counts): recomputed, it draws exactly what it would have drawn."""
+    target = SamplingParams(
+        n=2, temperature=1.0, seed=77, max_tokens=40, min_tokens=30, presence_penalty=0.5
+    )
+    alone = run_to_completion(
+        make_engine(tiny_model_dir, async_scheduling=async_scheduling), [prompts[0]], target
+    )[0]
+    # 40 blocks of 8 tokens for 8 requests of up to 130 tokens: the target, admitted last,
+    # is the first one preempted.
+    engine = make_engine(
+        tiny_model_dir, async_scheduling=async_scheduling, num_blocks=40,
+        max_num_batched_tokens=96, seed=3,
+    )  # fmt: skip
+    others = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(prompts[1:]):
+        engine.add_request(f"other-{i}", prompt, others)
+    engine.add_request("target", prompts[0], target)
+    was_running = preempted = False
+    crowded = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == "target" and output.finished:
+                crowded = output
+        waiting = {g.request_id for g in engine.scheduler.waiting}
+        preempted |= was_running and "target" in waiting
+        was_running = any(g.request_id == "target" for g in engine.scheduler.running)
+    assert preempted and crowded is not None
+    assert [c.token_ids for c in crowded.outputs] == [c.token_ids for c in alone.outputs]
+    assert all(len(c.token_ids) >= 30 for c in alone.outputs)
+
+
 def test_parallel_samples_share_the_prompt_blocks(tiny_model_dir, prompts, async_scheduling):
     engine = make_engine(tiny_model_dir, async_scheduling=async_scheduling)
     prompt = prompts[2]  # several full blocks plus a partial one
