@@ -18,7 +18,6 @@ from octavo.engine.core.request_outputs import (
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
-from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import (
     ModelRunnerOutput,
     NewSampledSequence,
@@ -447,9 +446,8 @@ class Scheduler:
         """The positions of a chunk [start, start + num_new) that score prompt tokens the
         request has not had log-probabilities for (position p scores token p + 1; the last
         prompt position scores the first output token instead)."""
-        params = group.sampling_params
-        if not isinstance(params, SamplingParams) or params.prompt_logprobs is None:
-            return None
+        num_top = group.sampling.prompt_logprobs
+        assert num_top is not None, "only a request that asks for prompt logprobs has spans"
         first = max(start, group.prompt_logprobs_next)
         end = min(start + num_new, len(group.prompt_token_ids) - 1)
         if end <= first:
@@ -457,7 +455,7 @@ class Scheduler:
         group.prompt_logprobs_next = end
         self._num_prompt_logprobs_spans += 1
         targets = group.prompt_token_ids[first + 1 : end + 1]
-        return PromptLogprobsSpan(first, end, params.prompt_logprobs, targets)
+        return PromptLogprobsSpan(first, end, num_top, targets)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         children = []

@@ -12,6 +12,19 @@ from octavo.engine.worker.sampling_state import SamplingState
 NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
 
 
+class _Column:
+    """A SamplingBatch attribute that is the step's rows of the column of its name, gathered
+    when first read and kept on the batch."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch: SamplingBatch, owner: type | None = None) -> np.ndarray:
+        rows = getattr(batch.columns, self.name)[batch.slots]
+        batch.__dict__[self.name] = rows  # a non-data descriptor: the next read is the value
+        return rows
+
+
 class SamplingBatch:
     """One step's sampled rows, in row order: per-row parameters as arrays ([R]), gathered
     from the columns when first read (a step of plain greedy rows reads one), and the rows'
@@ -25,53 +38,33 @@ class SamplingBatch:
     (penalties, masks, biases) / that draw from their own generator.
     """
 
+    greedy = _Column()
+    temperature = _Column()
+    top_k = _Column()
+    top_p = _Column()
+    min_p = _Column()
+    num_top = _Column()
+    num_sampled = _Column()
+
     def __init__(self, states: list[SamplingState], slots: np.ndarray, columns: _Columns):
         self.states = states
-        self._slots = slots
-        self._columns = columns
+        self.slots = slots
+        self.columns = columns
 
     def __len__(self) -> int:
         return len(self.states)
 
     @cached_property
     def all_plain_greedy(self) -> bool:
-        return bool(self._columns.plain_greedy[self._slots].all())
-
-    @cached_property
-    def greedy(self) -> np.ndarray:
-        return self._columns.greedy[self._slots]
-
-    @cached_property
-    def temperature(self) -> np.ndarray:
-        return self._columns.temperature[self._slots]
-
-    @cached_property
-    def top_k(self) -> np.ndarray:
-        return self._columns.top_k[self._slots]
-
-    @cached_property
-    def top_p(self) -> np.ndarray:
-        return self._columns.top_p[self._slots]
-
-    @cached_property
-    def min_p(self) -> np.ndarray:
-        return self._columns.min_p[self._slots]
-
-    @cached_property
-    def num_top(self) -> np.ndarray:
-        return self._columns.num_top[self._slots]
-
-    @cached_property
-    def num_sampled(self) -> np.ndarray:
-        return self._columns.num_sampled[self._slots]
+        return bool(self.columns.plain_greedy[self.slots].all())
 
     @cached_property
     def processed_rows(self) -> np.ndarray:
-        return np.flatnonzero(self._columns.processes_logits[self._slots])
+        return np.flatnonzero(self.columns.processes_logits[self.slots])
 
     @cached_property
     def seeded_rows(self) -> np.ndarray:
-        return np.flatnonzero(self._columns.seeded[self._slots])
+        return np.flatnonzero(self.columns.seeded[self.slots])
 
 
 class SamplingColumns:

@@ -21,7 +21,6 @@ class SamplingState:
     rows sampled for it, are in the input batch's `SamplingColumns`, at `slot`.
     """
 
-    seq_id: int
     params: SamplingParams
     prompt_token_ids: list[int]
     stop_token_ids: list[int]
@@ -37,6 +36,4 @@ class SamplingState:
         if params.seed is not None:  # vLLM seeds parallel samples seed + index
             generator = torch.Generator(device=device).manual_seed(params.seed + new.sample_index)
         keeps_outputs = params.has_penalties or bool(params.bad_words_token_ids)
-        return cls(
-            new.seq_id, params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs
-        )
+        return cls(params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs)
