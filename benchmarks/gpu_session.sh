@@ -7,12 +7,17 @@
 #   bash benchmarks/gpu_session.sh kernels OUT_DIR   # kernel_bench --sweep
 #   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam, profile, host work
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
+#   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
+#
+# The serve stage needs the server's packages, which the GPU machine lacks: download them as
+# wheels into .whl/ (benchmarks/README, "GPU sessions"), carry .whl, and install them with
+# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site.
 #
 # Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -53,7 +58,7 @@ engine)
         --preset gpt2 --result-file "$out/beam_bench.json"
     # One-step-ahead scheduling is the CUDA default; each measurement also runs without it.
     step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
-        --preset gpt2 --result-file "$out/profile_decode.json"
+        --preset gpt2 --result-file "$out/profile_decode.json" --trace-dir "$out/traces"
     step profile_decode_sync "$python" benchmarks/profile_decode.py --device cuda \
         --dtype float16 --preset gpt2 --no-async-scheduling \
         --result-file "$out/profile_decode_sync.json"
@@ -71,6 +76,34 @@ offline)
     step offline_gpt2_medium "$python" benchmarks/offline_throughput.py --device cuda \
         --dtype float16 --preset gpt2-medium --num-requests 256 --repeats 1 \
         --result-file "$out/offline_gpt2_medium.json"
+    ;;
+serve)
+    # 256 streams of short prompts, 64-128 tokens each, EOS ignored: offline and served on
+    # the same requests, four client processes so the client is not the bottleneck.
+    step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
+        --dtype float16 --modes streamed unstreamed interval8 api2 --client-procs 4 \
+        --repeats 3 --result-file "$out/serving_throughput_gpt2.json"
+    # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
+    model=$(mktemp -d)/model
+    "$python" -c "import sys; from pathlib import Path
+from octavo.benchmarks import serving_throughput as s
+s.write_model(Path(sys.argv[1]), s.parse_args(['--preset', 'gpt2']))" "$model"
+    port=8765
+    "$python" -m octavo serve --model "$model" --load-format dummy --device cuda \
+        --dtype float16 --port $port --log-level warning >"$out/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        sleep 1
+    done
+    for concurrency in 1 4 16 64; do
+        step "latency_c$concurrency" "$python" -m octavo bench serve \
+            --base-url "http://127.0.0.1:$port" --random-input-len 32 --random-output-len 128 \
+            --num-prompts $((concurrency * 8)) --max-concurrency "$concurrency" --ignore-eos \
+            --no-progress --result-file "$out/latency_c$concurrency.json"
+    done
+    kill "$server"
+    wait "$server"
     ;;
 *)
     echo "unknown stage $stage" >&2

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime as dt
+import gzip
 import json
 import pstats
 import statistics
@@ -98,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--result-file", type=Path, default=None)
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="also write each batch's profiled steps as a gzipped Chrome trace")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.dtype, args.device = "smoke", "float32", "cpu"
@@ -161,12 +164,17 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def gpu_pass(engine: LLMEngine, steps: int, cuda: bool) -> dict:
+def gpu_pass(engine: LLMEngine, steps: int, cuda: bool, trace: Path | None) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             with torch.profiler.record_function(STEP_ANNOTATION):
                 engine.step()
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            trace.write_bytes(gzip.compress(raw.read_bytes()))
     events = prof.events()
     step_ranges = [
         (e.time_range.start, e.time_range.end)
@@ -250,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
             wall = wall_pass(engine, args.steps // 2)
             step_bytes = bytes_per_step(engine)  # the middle of the wall pass
             wall += wall_pass(engine, args.steps - args.steps // 2)
-            gpu = gpu_pass(engine, args.steps, cuda)
+            trace = None
+            if args.trace_dir is not None:
+                args.trace_dir.mkdir(parents=True, exist_ok=True)
+                trace = args.trace_dir / f"profile_decode_b{batch}.json.gz"
+            gpu = gpu_pass(engine, args.steps, cuda, trace)
             host = host_pass(engine, args.steps)
             for group in list(engine.scheduler.running):
                 engine.abort_request(group.request_id)  # frees its blocks at once

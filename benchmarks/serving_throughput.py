@@ -52,8 +52,11 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from octavo.benchmarks.common import git_commit
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
+from octavo.engine.config import DTYPES
 from octavo.server.server_args import DEFAULT_MODEL
 
+# The GPU memory fraction the offline engine may take, the served one getting the rest.
+OFFLINE_GPU_SHARE = 0.4
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_NAME = "bench"
 # Served configurations: `octavo serve` flags, and whether the requests stream.
@@ -68,6 +71,11 @@ MODES: dict[str, tuple[list[str], bool]] = {
 PRESETS = {
     "gpu-speed": {
         "layers": 1, "hidden": 16, "heads": 1, "num_requests": 256,
+        "prompt_len": (16, 32), "output_len": (64, 128),
+    },
+    # GPT-2 small on a GPU, the same short-prompt workload (run with --device cuda).
+    "gpt2": {
+        "layers": 12, "hidden": 768, "heads": 12, "num_requests": 256,
         "prompt_len": (16, 32), "output_len": (64, 128),
     },
 }  # fmt: skip
@@ -92,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=length_range, default=(128, 128))
     parser.add_argument("--output-len", type=length_range, default=(64, 64))
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--device", default="cpu", help="the engine's device, offline and served")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     parser.add_argument("--modes", nargs="+", choices=list(MODES),
                         default=["streamed", "inprocess"])  # fmt: skip
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
@@ -135,6 +145,16 @@ def write_model(folder: Path, args: argparse.Namespace) -> int:
     return vocab
 
 
+def machine(device: str) -> dict:
+    """The host, and the GPU's name when the engine runs on one."""
+    info: dict = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    if device.startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
 def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
     """(prompt token ids, output tokens) per request, drawn from random.Random(args.seed)."""
     rng = random.Random(args.seed)
@@ -148,7 +168,8 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int],
 def engine_flags(args: argparse.Namespace) -> dict:
     return {
         "load_format": "dummy",
-        "device": "cpu",
+        "device": args.device,
+        "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": max(2048, args.prompt_len[1]),
     }
@@ -158,7 +179,10 @@ def run_offline(
     model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
 ) -> dict:
     """--repeats timed runs of the whole workload after one untimed one; the median run."""
-    llm = LLM(str(model), **engine_flags(args))
+    # On a GPU the served engine runs beside this one and sizes its KV cache from what the
+    # device has free, so this engine takes only its share.
+    share = {"gpu_memory_utilization": OFFLINE_GPU_SHARE} if args.device.startswith("cuda") else {}
+    llm = LLM(str(model), **engine_flags(args), **share)
     prompts = [prompt for prompt, _ in requests]
     params = [
         SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -213,12 +237,14 @@ def run_served(
     flags = engine_flags(args)
     cmd = [sys.executable, "-m", "octavo", "serve", "--model", str(model)]
     cmd += ["--served-model-name", MODEL_NAME, "--port", str(port), "--log-level", "warning"]
-    cmd += ["--load-format", "dummy", "--device", "cpu"]
+    cmd += ["--load-format", "dummy", "--device", flags["device"], "--dtype", flags["dtype"]]
     cmd += ["--max-num-seqs", str(flags["max_num_seqs"])]
     cmd += ["--max-num-batched-tokens", str(flags["max_num_batched_tokens"])]
     extra, stream = MODES[mode]
     cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]
-    env = dict(os.environ, PYTHONPATH=str(root))
+    # The checkout first; a PYTHONPATH already set (packages carried to a GPU machine) stays.
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     env.update(item.split("=", 1) for item in args.server_env)
     with running_server(cmd, port, cwd=root, env=env):
         sent = bodies(requests, stream)
@@ -240,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         result: dict = {
             "benchmark": "serving_throughput",
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "machine": machine(args.device),
             "commit": git_commit(here),
             "workload": {
                 "model": f"{args.layers}x{args.hidden} GPT-2, vocab {vocab}, dummy weights",
+                "device": args.device,
+                "dtype": args.dtype,
                 "preset": args.preset,
                 "num_requests": args.num_requests,
                 "prompt_len": args.prompt_len,

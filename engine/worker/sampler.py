@@ -178,8 +178,11 @@ def on_device(
     copy: `torch.tensor(values, device=cuda)` copies and then waits for the stream, that is
     for the step in flight (torch's pinned-memory cache frees the buffer only after its copy
     has run)."""
-    cuda = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    # `torch.tensor(ndarray, pin_memory=True)` is refused, so numpy rows are pinned by copy.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ class EagerBucketReplay:
         self.kv_cache = engine.runner.kv_cache
         self.buffers = DecodeInputBuffers(
             max_batch_size, BUFFER_MAX_MODEL_LEN, engine.config.block_size,
-            self.model.config.n_head, torch.device("cpu"),
+            self.model.config.n_head, self.kv_cache.device,
         )  # fmt: skip
         self.buffers.num_sms = H100_SMS
         self.replays: list[tuple[int, int]] = []  # (rows, bucket)
@@ -69,13 +69,14 @@ def test_padded_bucket_replay_gives_hf_greedy_tokens(tiny_model_dir, hf_tiny):
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_padding_rows_store_nothing(tiny_model_dir, rows):
-    """Only the real rows' slots change; padding rows write nowhere, the null block stays 0."""
+    """Only the real rows' slots change; padding rows write nowhere, the null block stays 0.
+    (On the engine's device: `--engine-device cuda` runs it on a GPU.)"""
     engine = triton_engine(tiny_model_dir)
     kv_cache = engine.runner.kv_cache
     generator = torch.Generator().manual_seed(rows)
-    kv_cache[:, :, 1:] = torch.randn(kv_cache[:, :, 1:].shape, generator=generator)
+    kv_cache[:, :, 1:] = torch.randn(kv_cache[:, :, 1:].shape, generator=generator).to(kv_cache)
     before = kv_cache.clone()
-    buffers = DecodeInputBuffers(8, BUFFER_MAX_MODEL_LEN, 8, 4, torch.device("cpu"))
+    buffers = DecodeInputBuffers(8, BUFFER_MAX_MODEL_LEN, 8, 4, kv_cache.device)
     tables = [[1 + 3 * r, 2 + 3 * r, 3 + 3 * r] for r in range(rows)]
     seq_lens = [17 + r for r in range(rows)]  # the new token lands in each table's 3rd block
     slots = [t[2] * 8 + (n - 1) % 8 for t, n in zip(tables, seq_lens, strict=True)]
