@@ -9,9 +9,15 @@
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
 #
-# The serve stage needs the server's packages, which the GPU machine lacks: download them as
-# wheels into .whl/ (benchmarks/README, "GPU sessions"), carry .whl, and install them with
-# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site.
+# The GPU machine lacks the server's packages (the serve stage needs them; so do the tests of
+# the async engine): fetch them as wheels here, carry .whl/ and install them there first.
+#   here:  pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#            fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types \
+#            typing-inspection msgspec pyzmq opentelemetry-api importlib-metadata
+#          (the versions `make install` put in .venv; one version of each)
+#   there: pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#          export PYTHONPATH=/tmp/site
 #
 # Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
 # device in its name. A failing command is logged and the stage goes on; the exit status is
