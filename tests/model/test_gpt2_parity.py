@@ -91,10 +91,7 @@ def test_logits_match_transformers(tmp_path, spec):
     ("field", "value"),
     [
         ("add_cross_attention", True),
-        ("scale_attn_by_inverse_layer_idx", True),
-        ("reorder_and_upcast_attn", True),
-        ("scale_attn_weights", False),
-        ("activation_function", "relu"),
+        ("activation_function", "prelu"),
         ("model_type", "llama"),
     ],
 )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -11,13 +14,74 @@ from torch import nn
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 
-# Activations whose math is exactly GELU with the tanh approximation.
-_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
+# approximates the normal CDF (Hendrycks & Gimpel, the GELU paper), as in HF's quick_gelu.
+QUICK_GELU_SCALE = 1.702
+# gelu_10 is HF's ClippedGELUActivation(min=-10, max=10): exact GELU clipped to +-10 (a range
+# meant for quantisation; GELU never goes below -0.17, so only the upper bound ever acts).
+GELU_10_BOUND = 10.0
+# laplace is HF's LaplaceActivation with its defaults (from MEGA): the CDF of a normal with
+# mean mu ~ 1/sqrt(2) and standard deviation sigma ~ 1/(2 sqrt(pi)), in HF's own decimals.
+LAPLACE_MU = 0.707107
+LAPLACE_SIGMA = 0.282095
+
+
+def _laplace(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.erf((x - LAPLACE_MU) / (LAPLACE_SIGMA * math.sqrt(2.0))))
+
+
+_tanh_gelu = partial(F.gelu, approximate="tanh")
+
+# Every parameter-free activation of HF's ACT2FN, by its config name. HF writes the tanh-GELU
+# family as several Python formulas (gelu_fast as tanh(0.7978845608 x (1 + 0.044715 x^2)));
+# all are 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), 0.7978845608 being sqrt(2/pi) to
+# ten digits, beyond float32: they differ from torch's fused tanh GELU by rounding only
+# (<= 2.4e-7 in float32). gelu and gelu_python are the exact (erf) GELU. HF's prelu and
+# xielu are left out: they have learned parameters, which this model does not load.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": _tanh_gelu,
+    "gelu_pytorch_tanh": _tanh_gelu,
+    "gelu_python_tanh": _tanh_gelu,
+    "gelu_fast": _tanh_gelu,
+    "gelu_accurate": _tanh_gelu,
+    "gelu": F.gelu,
+    "gelu_python": F.gelu,
+    "gelu_10": lambda x: F.gelu(x).clamp(-GELU_10_BOUND, GELU_10_BOUND),
+    "quick_gelu": lambda x: x * torch.sigmoid(QUICK_GELU_SCALE * x),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
+    "relu6": F.relu6,
+    "leaky_relu": F.leaky_relu,  # torch's default slope 0.01, as nn.LeakyReLU()
+    "silu": F.silu,
+    "swish": F.silu,
+    "mish": F.mish,
+    "hardswish": F.hardswish,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "laplace": _laplace,
+    "linear": lambda x: x,
+}
 
 
 @dataclass(frozen=True)
 class GPT2Config:
-    """The parts of a Hugging Face GPT2Config this model uses; `from_hf_dict` refuses the rest."""
+    """The parts of a Hugging Face GPT2Config this model uses; `from_hf_dict` refuses the rest.
+
+    activation_function: the MLP's activation, a key of ACTIVATIONS.
+    scale_attn_weights: scores are scaled by 1/sqrt(head_dim) (else by 1).
+    scale_attn_by_inverse_layer_idx: layer i's (0-based) scores are also divided by i + 1.
+    (Both in `attention_scale`.)
+
+    HF's reorder_and_upcast_attn is accepted and not stored: with it HF computes the scaled
+    QK^T and the softmax in float32 whatever the model's dtype (on its eager path; its SDPA
+    path ignores the flag), and both backends always do: the Triton kernels accumulate
+    tl.dot in float32 (decode: float32 operands), scale the float32 scores and normalise in
+    float32; torch's SDPA kernels accumulate and normalise in float32, its math fallback
+    upcasting 16-bit inputs (torch's default, allow_fp16_bf16_reduction_math_sdp off). A
+    product of two fp16 or bf16 numbers is exact in float32, so this is HF's upcast-then-
+    multiply up to summation order. As in HF, the probabilities meet V in V's dtype.
+    """
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -29,6 +93,16 @@ class GPT2Config:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = 50256
     eos_token_id: int | None = 50256
+    activation_function: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(
+                f"activation_function={self.activation_function!r} is not supported "
+                f"(one of {sorted(ACTIVATIONS)})"
+            )
 
     @property
     def flops_per_token(self) -> int:
@@ -45,50 +119,55 @@ class GPT2Config:
     def inner_dim(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    def attention_scale(self, layer: int) -> float:
+        """The softmax scale of layer `layer` (0-based), computed as HF's GPT2Attention does
+        (same operations in the same order, so the same float)."""
+        scale = self.head_dim**-0.5 if self.scale_attn_weights else 1.0
+        if self.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer + 1)
+        return scale
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> GPT2Config:
         """Builds a config from config.json, refusing flags this model would silently ignore."""
         model_type = cfg.get("model_type", "gpt2")
         if model_type != "gpt2":
             raise ValueError(f"config.json: model_type {model_type!r} is not supported (gpt2 only)")
-        refused = {
-            "add_cross_attention": False,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "scale_attn_weights": True,
-        }
-        for name, supported in refused.items():
-            if name in cfg and bool(cfg[name]) != supported:
-                raise ValueError(f"config.json: {name}={cfg[name]!r} is not supported")
-        activation = cfg.get("activation_function", "gelu_new")
-        if activation not in _TANH_GELU:
+        if cfg.get("add_cross_attention", False):
             raise ValueError(
-                f"config.json: activation_function={activation!r} is not supported "
-                f"(one of {_TANH_GELU})"
+                f"config.json: add_cross_attention={cfg['add_cross_attention']!r} is not supported"
             )
         n_embd, n_head = cfg.get("n_embd", 768), cfg.get("n_head", 12)
         if n_embd % n_head:
             raise ValueError(f"config.json: n_embd={n_embd} is not divisible by n_head={n_head}")
-        return cls(
-            vocab_size=cfg.get("vocab_size", 50257),
-            n_positions=cfg.get("n_positions", 1024),
-            n_embd=n_embd,
-            n_layer=cfg.get("n_layer", 12),
-            n_head=n_head,
-            n_inner=cfg.get("n_inner"),
-            layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-        )
+        try:
+            return cls(
+                vocab_size=cfg.get("vocab_size", 50257),
+                n_positions=cfg.get("n_positions", 1024),
+                n_embd=n_embd,
+                n_layer=cfg.get("n_layer", 12),
+                n_head=n_head,
+                n_inner=cfg.get("n_inner"),
+                layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"),
+                activation_function=cfg.get("activation_function", "gelu_new"),
+                scale_attn_weights=bool(cfg.get("scale_attn_weights", True)),
+                scale_attn_by_inverse_layer_idx=bool(
+                    cfg.get("scale_attn_by_inverse_layer_idx", False)
+                ),
+            )
+        except ValueError as exc:
+            raise ValueError(f"config.json: {exc}") from exc
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: GPT2Config, backend: AttentionBackend):
+    def __init__(self, config: GPT2Config, layer: int, backend: AttentionBackend):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale(layer)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.backend = backend
@@ -111,16 +190,17 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
         self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
+        self.act = ACTIVATIONS[config.activation_function]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: GPT2Config, backend: AttentionBackend):
+    def __init__(self, config: GPT2Config, layer: int, backend: AttentionBackend):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, backend)
+        self.attn = GPT2Attention(config, layer, backend)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config)
 
@@ -144,7 +224,7 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config, backend) for _ in range(config.n_layer))
+        self.h = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
