@@ -5,6 +5,7 @@ from octavo.engine.frontend.llm import LLM
 from octavo.engine.frontend.llm_engine import LLMEngine
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -15,4 +16,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

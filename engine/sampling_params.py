@@ -8,6 +8,7 @@ from enum import Enum
 from functools import cached_property
 
 from octavo.engine.errors import ParameterError
+from octavo.engine.structured_outputs import StructuredOutputsParams
 
 # A seed is a signed 64-bit integer, as in vLLM (a request's samples use seed + index).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -60,7 +61,11 @@ class SamplingParams:
     Token controls, as vLLM: `logit_bias` adds to the logits of token ids, `allowed_token_ids`
     keeps only those tokens, `bad_words` bans every word's last token after its other tokens
     (a one-token word always), `truncate_prompt_tokens` keeps the prompt's last N tokens.
-    Every invalid value raises ValueError naming the parameter.
+    `structured_outputs` constrains the text to a JSON schema, regex, choice or grammar: its
+    mask applies after the other logits processing and before temperature, top-k and top-p
+    (vLLM's order), and a sample ends with "stop" once its grammar is complete (EOS is
+    allowed exactly where the grammar accepts, so it takes neither ignore_eos nor
+    min_tokens). Every invalid value raises ValueError naming the parameter.
     """
 
     n: int = 1
@@ -88,6 +93,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # The llguidance grammar of `structured_outputs`, compiled and validated by the engine's
+    # InputProcessor: the core and the worker read this, never the constraint itself.
+    grammar: str | None = field(default=None, repr=False)
     # The token ids of each bad word (with and without a leading space), filled in by the
     # engine's InputProcessor from `bad_words` with the model's tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -104,6 +113,7 @@ class SamplingParams:
             self.bad_words = _as_list("bad_words", self.bad_words)
         self._validate()
         self._validate_token_controls()
+        self._validate_structured_outputs()
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -173,6 +183,25 @@ class SamplingParams:
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
             )
 
+    def _validate_structured_outputs(self) -> None:
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        if not isinstance(constraint, StructuredOutputsParams):
+            raise ParameterError(
+                "structured_outputs",
+                f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}",
+            )
+        # The grammar decides where a constrained output ends: EOS is its end.
+        if self.ignore_eos:
+            raise ParameterError(
+                "ignore_eos", "ignore_eos cannot be combined with structured outputs"
+            )
+        if self.min_tokens:
+            raise ParameterError(
+                "min_tokens", "min_tokens cannot be combined with structured outputs"
+            )
+
     def _validate_token_controls(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -238,9 +267,10 @@ class SamplingParams:
     @cached_property
     def processes_logits(self) -> bool:
         """Something changes this request's logits before a token is picked: penalties,
-        min_tokens, logit_bias, allowed_token_ids or bad_words."""
+        min_tokens, logit_bias, allowed_token_ids, bad_words or a structured-output grammar."""
         return bool(
-            self.has_penalties
+            self.structured_outputs is not None
+            or self.has_penalties
             or self.min_tokens
             or self.logit_bias
             or self.allowed_token_ids is not None

@@ -126,6 +126,17 @@ class BeamCandidates:
 
 
 @dataclass
+class GrammarProgress:
+    """What a step's tokens did to the structured-output grammars of their sequences: the
+    sequences whose grammar is complete (they finish with "stop"), and those whose grammar
+    refused the token (the request's other controls left no token the grammar allows),
+    with llguidance's message (their requests fail)."""
+
+    ended: set[int] = field(default_factory=set)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
 class ModelRunnerOutput:
     """A step's results. Row i of `sampled` is the token of sequence `sampled_seq_ids[i]`;
     row j of `beam_candidates` holds the best next tokens of beam `beam_seq_ids[j]` (beam
@@ -137,3 +148,4 @@ class ModelRunnerOutput:
     beam_candidates: BeamCandidates | None = None
     # Per sequence with a PromptLogprobsSpan this step: the span's log-probabilities.
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    grammar: GrammarProgress = field(default_factory=GrammarProgress)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads them
         RequestOutput,
         RequestOutputKind,
         SamplingParams,
+        StructuredOutputsParams,
     )
 
 # The public API is the engine's (octavo.engine.__all__: LLM, SamplingParams, ...), loaded
@@ -38,6 +39,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

@@ -20,6 +20,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from octavo.engine.errors import ParameterError
+from octavo.engine.structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # OpenAI caps logprobs at 5 for completions; vLLM allows more. Our sampler takes any N, and
@@ -37,11 +40,16 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # Fields of vLLM's CompletionRequest that Octavo does not implement yet: a request that sets
 # one gets a 400 naming it rather than an answer that silently ignored it.
 UNSUPPORTED_VLLM_FIELDS = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "response_format", "structured_outputs", "logits_processors", "spaces_between_special_tokens",
+    "guided_decoding_backend", "logits_processors", "spaces_between_special_tokens",
     "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "priority",
     "kv_transfer_params", "vllm_xargs",
 )  # fmt: skip
+# The fields that constrain the output (OpenAI's and vLLM's spellings); at most one per request.
+CONSTRAINT_FIELDS = (
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs",
+)  # fmt: skip
+MAX_CHOICES = 256
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -78,6 +86,62 @@ def check_unicode(value: Any, field: str) -> None:
         for key, item in value.items():
             check_unicode(key, field)
             check_unicode(item, field)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Octavo's JSON is always exactly the schema's (llguidance enforces every keyword it
+    # supports and refuses the rest), so strict changes nothing.
+    strict: bool | None = None
+
+    @field_validator("schema_", "name", "description")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        check_unicode(value, info.field_name)
+        return value
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text (the default), any JSON object, or JSON that
+    validates against `json_schema.schema`."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (
+            self.json_schema is None or not self.json_schema.schema_
+        ):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs object: exactly one constraint (engine's
+    StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @field_validator("json_", "regex", "choice", "grammar")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        check_unicode(value, f"structured_outputs.{info.field_name.rstrip('_')}")
+        return value
 
 
 class StreamOptions(BaseModel):
@@ -129,14 +193,20 @@ class GenerationRequest(BaseModel, ABC):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Structured outputs (CONSTRAINT_FIELDS): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_and_unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if data.get("response_format") == {"type": "text"}:  # the default, said explicitly
-            data = {key: value for key, value in data.items() if key != "response_format"}
         for name in cls.UNSUPPORTED:
             if data.get(name) not in (None, []):  # an empty list (of tools, say) asks for nothing
                 raise PydanticCustomError(
@@ -156,6 +226,52 @@ class GenerationRequest(BaseModel, ABC):
             if not (value is None and key in null_means_default)
         }
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in CONSTRAINT_FIELDS if name in self.constraint_fields]
+        if len(given) > 1:
+            raise PydanticCustomError(
+                "one_constraint",
+                "{field}: only one of response_format, guided_json, guided_regex, "
+                "guided_choice, guided_grammar and structured_outputs may be set",
+                {"field": given[1]},
+            )
+        return self
+
+    @property
+    def constraint_fields(self) -> list[str]:
+        """The constraint fields the request sets (response_format "text" sets nothing)."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        return given
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The engine's constraint, from whichever field the client set; ParameterError
+        naming that field when it is not a valid constraint."""
+        given = self.constraint_fields
+        if not given:
+            return None
+        field = given[0]
+        try:
+            if field == "response_format":
+                assert self.response_format is not None
+                if self.response_format.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                assert self.response_format.json_schema is not None
+                return StructuredOutputsParams(json=self.response_format.json_schema.schema_)
+            if field == "structured_outputs":
+                assert self.structured_outputs is not None
+                spec = self.structured_outputs
+                return StructuredOutputsParams(
+                    json=spec.json_, regex=spec.regex, choice=spec.choice,
+                    grammar=spec.grammar, json_object=spec.json_object,
+                )  # fmt: skip
+            kind = field.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(self, field)})
+        except ParameterError as exc:
+            raise ParameterError(self.client_param(exc.param), str(exc)) from exc
+
     @field_validator("stop")
     @classmethod
     def _stop_bounded(cls, value):
@@ -164,7 +280,10 @@ class GenerationRequest(BaseModel, ABC):
         check_unicode(value, "stop")
         return value
 
-    @field_validator("model", "user", "logit_bias", "bad_words")
+    @field_validator(
+        "model", "user", "logit_bias", "bad_words", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar",
+    )  # fmt: skip
     @classmethod
     def _valid_unicode(cls, value, info):
         check_unicode(value, info.field_name)
@@ -191,6 +310,10 @@ class GenerationRequest(BaseModel, ABC):
         client sent best_of (else n), num_return_sequences is n."""
         if param == "beam_width":
             return "best_of" if self.best_of is not None else "n"
+        if param.startswith("structured_outputs"):  # the constraint, as the client sent it
+            given = self.constraint_fields
+            if given and given[0] != "structured_outputs":
+                return given[0]
         return {"num_return_sequences": "n"}.get(param, param)
 
 

@@ -151,7 +151,13 @@ class EngineServing:
     ) -> SamplingParams | BeamSearchParams:
         """The engine parameters of a request. A stream takes delta outputs (each event is
         what one or more steps added); a plain response only the final output."""
+        structured_outputs = request.structured_outputs_params()
         if request.use_beam_search:
+            if structured_outputs is not None:
+                raise ParameterError(
+                    request.constraint_fields[0],
+                    "structured outputs cannot be combined with use_beam_search yet",
+                )
             try:
                 return BeamSearchParams(
                     beam_width=request.best_of or request.n,
@@ -188,6 +194,7 @@ class EngineServing:
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
+            structured_outputs=structured_outputs,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,

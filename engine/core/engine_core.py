@@ -35,9 +35,10 @@ from octavo.engine.stop_rules import length_limit
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
 from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.model_runner import ModelRunner, StepFuture, profile_activation_bytes
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
-from octavo.engine.worker.models.weights import load_model
+from octavo.engine.worker.models.weights import load_model, tokenizer_file
 from octavo.engine.worker.sampler import Sampler
 
 _GIB = 1 << 30
@@ -113,6 +114,11 @@ class EngineCore:
             self.max_model_len,
             self.device,
             dtype,
+            GrammarMatchers(
+                tokenizer_file(config.model, config.load_format),
+                self.model_config.vocab_size,
+                self.eos_token_id,
+            ),
         )
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
@@ -130,7 +136,8 @@ class EngineCore:
         self._in_flight: tuple[ScheduledStep, StepFuture] | None = None
         # Requests that need every token on the host before their next step is scheduled
         # (beam search, penalties and bad words, which read the output so far; prompt
-        # logprobs, read on the host as they are computed):
+        # logprobs, read on the host as they are computed; structured outputs, whose next
+        # mask follows from the last token):
         # while one runs, steps are applied before the next.
         self._sync_only: set[str] = set()
         # Called with each step's worker input just before it launches: a way to watch
@@ -191,6 +198,7 @@ class EngineCore:
             or group.sampling.has_penalties
             or group.sampling.bad_words_token_ids
             or group.sampling.prompt_logprobs is not None
+            or group.sampling.grammar is not None
         ):
             self._sync_only.add(request.request_id)
         self.scheduler.add(group)

@@ -500,6 +500,7 @@ class Scheduler:
             sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         )  # fmt: skip
         check_stop = self.stop_checker.check
+        grammar_ended, grammar_failed = result.grammar.ended, result.grammar.failed
         update = SchedulerUpdate([], [])
         outputs, finished = update.outputs, update.finished
         # Groups with several samples gather their deltas here (first: their first tokens).
@@ -525,11 +526,21 @@ class Scheduler:
                 try:
                     tokens = seq.token_ids
                     tokens.append(token_id)
+                    if grammar_failed and seq.seq_id in grammar_failed:
+                        raise ValueError(
+                            f"structured outputs: no token the grammar allows was left "
+                            f"(token {token_id}: {grammar_failed[seq.seq_id]})"
+                        )
                     if logprob is not None:
                         seq.cumulative_logprob += logprob
                     finish_reason = None
-                    if token_id in group.stop_token_ids or len(tokens) >= group.max_num_tokens:
-                        decision = check_stop(seq, group)
+                    ended = bool(grammar_ended) and seq.seq_id in grammar_ended
+                    if (
+                        ended
+                        or token_id in group.stop_token_ids
+                        or len(tokens) >= group.max_num_tokens
+                    ):
+                        decision = check_stop(seq, group, ended)
                         if decision is not None:
                             self._stop(seq, decision.finish_reason, decision.stop_reason)
                             finish_reason = decision.finish_reason

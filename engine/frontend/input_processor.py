@@ -9,6 +9,7 @@ from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.stop_rules import length_limit, stop_token_set
+from octavo.engine.structured_outputs import compile_grammar
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class InputProcessor:
                 text, token_ids = None, token_ids[-keep:]  # the text is the kept tokens'
             if params.bad_words:
                 params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+            if params.structured_outputs is not None:
+                if self.tokenizer is None:  # the worker masks through the tokenizer's tokens
+                    raise ParameterError(
+                        "structured_outputs",
+                        "structured_outputs: this model has no tokenizer.json",
+                    )
+                params.grammar = compile_grammar(params.structured_outputs)
         self._validate(token_ids, params)
         return ProcessedPrompt(text, token_ids)
 

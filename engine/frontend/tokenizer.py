@@ -8,7 +8,7 @@ from pathlib import Path
 import tokenizers
 import tokenizers.decoders
 
-from octavo.engine.worker.models.weights import DUMMY_PRESETS, resolve_model_path
+from octavo.engine.worker.models.weights import tokenizer_file
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -168,7 +168,5 @@ class IncrementalDetokenizer:
 def load_tokenizer(model: str, load_format: str) -> Tokenizer | None:
     """The model's tokenizer.json, or None (a dummy preset, a folder without one). Loads no
     weights: the API process needs the tokenizer, never the model."""
-    if load_format == "dummy" and model in DUMMY_PRESETS:
-        return None
-    path = resolve_model_path(model) / "tokenizer.json"
-    return Tokenizer.from_file(path) if path.is_file() else None
+    path = tokenizer_file(model, load_format)
+    return None if path is None else Tokenizer.from_file(path)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from octavo.engine.step_io import SchedulerOutput
+from octavo.engine.step_io import GrammarProgress, SchedulerOutput
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
 from octavo.engine.worker.sampling_state import SamplingState
 
@@ -96,13 +97,20 @@ class InputBatch:
     """
 
     def __init__(
-        self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        grammars: GrammarMatchers,
     ):
         self.block_size = block_size
         self.device = device
+        self.grammars = grammars
         self.sampling: dict[int, SamplingState] = {}
         self.sampling_columns = SamplingColumns(max_num_seqs)
         self._keeping_outputs: set[int] = set()  # sequences whose sampling reads its outputs
+        self._constrained: set[int] = set()  # sequences with a grammar
         max_blocks = -(-max_model_len // block_size)
         # One row per running sequence; doubled if ever full (a step's freed rows are
         # returned before its new ones are taken, so max_num_seqs rows normally suffice).
@@ -128,15 +136,26 @@ class InputBatch:
         if row is not None:
             self._free_rows.append(row)
 
-    def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:
+    def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> GrammarProgress:
         """Keeps the sampled tokens that reached the host, for the sequences whose sampling
-        reads its outputs (a sequence finished meanwhile is gone: its token is dropped)."""
-        keeping = self._keeping_outputs
-        if not keeping:
-            return
+        reads its outputs, and advances each constrained sequence's matcher by its token (a
+        sequence finished meanwhile is gone: its token is dropped). Returns the constrained
+        sequences whose grammar this ended or refused."""
+        progress = GrammarProgress()
+        keeping, constrained = self._keeping_outputs, self._constrained
+        if not keeping and not constrained:
+            return progress
         for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
             if seq_id in keeping:
                 self.sampling[seq_id].output_token_ids.append(token_id)
+            if seq_id in constrained:
+                matcher = self.sampling[seq_id].matcher
+                assert matcher is not None
+                if not matcher.consume_token(token_id):
+                    progress.failed[seq_id] = matcher.get_error()
+                elif matcher.is_stopped():
+                    progress.ended.add(seq_id)
+        return progress
 
     def apply_changes(self, output: SchedulerOutput) -> None:
         """What changed since the previous step: freed rows, finished sequences, new sampled
@@ -148,11 +167,15 @@ class InputBatch:
             if finished is not None:
                 self.sampling_columns.remove(finished.slot)
                 self._keeping_outputs.discard(seq_id)
+                self._constrained.discard(seq_id)
         for new in output.new_sampled:
-            state = self.sampling[new.seq_id] = SamplingState.create(new, self.device)
+            state = SamplingState.create(new, self.device, self.grammars)
+            self.sampling[new.seq_id] = state
             state.slot = self.sampling_columns.add(state)
             if state.keeps_outputs:
                 self._keeping_outputs.add(new.seq_id)
+            if state.matcher is not None:
+                self._constrained.add(new.seq_id)
         for seq_id, blocks in output.block_tables.items():
             row = self._row_of.get(seq_id)
             if row is None:

@@ -11,12 +11,14 @@ import torch
 from octavo.engine.core_messages import PromptLogprobs
 from octavo.engine.step_io import (
     BeamCandidates,
+    GrammarProgress,
     ModelRunnerOutput,
     SamplerOutput,
     SchedulerOutput,
 )
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.sampler import SampledTokens, Sampler
@@ -65,7 +67,7 @@ class StepFuture:
         beam_seq_ids: list[int],
         candidates: tuple[torch.Tensor, torch.Tensor] | None,
         prompt_logprobs: dict[int, TopLogprobs] | None = None,
-        record: Callable[[list[int], list[int]], None] | None = None,
+        record: Callable[[list[int], list[int]], GrammarProgress] | None = None,
     ):
         self.sampled_seq_ids = sampled_seq_ids
         self._record = record
@@ -92,15 +94,16 @@ class StepFuture:
         if self._event is not None:
             self._event.synchronize()
         sampled = SamplerOutput([], [], []) if self._sampled is None else self._sampled.to_host()
+        grammar = GrammarProgress()
         if self._record is not None:
-            self._record(self.sampled_seq_ids, sampled.token_ids)
+            grammar = self._record(self.sampled_seq_ids, sampled.token_ids)
         candidates = None
         if self._candidates:
             values, token_ids = self._candidates
             candidates = BeamCandidates(values, token_ids)
         prompt = {seq_id: top.to_host() for seq_id, top in self._prompt_logprobs.items()}
         return ModelRunnerOutput(
-            self.sampled_seq_ids, sampled, self.beam_seq_ids, candidates, prompt
+            self.sampled_seq_ids, sampled, self.beam_seq_ids, candidates, prompt, grammar
         )
 
 
@@ -124,6 +127,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        grammars: GrammarMatchers,
     ):
         config = model.config
         self.model = model
@@ -131,7 +135,7 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, device)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, device, grammars)
         # torch.empty: untouched blocks cost no memory; every read slot is written first.
         self.kv_cache = torch.empty(
             (config.n_layer, 2, num_blocks, block_size, config.n_head, config.head_dim),

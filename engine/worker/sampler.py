@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from octavo.engine.step_io import SamplerOutput
+from octavo.engine.worker.grammar import apply_grammar_masks
 from octavo.engine.worker.sampling_batch import NO_LOGPROBS, SamplingBatch
 from octavo.engine.worker.sampling_state import SamplingState
 
@@ -66,7 +67,8 @@ class Sampler:
     """Turns logits into tokens following vLLM's order of operations.
 
     allowed_token_ids -> bad_words and min_tokens (EOS, stop_token_ids) masks -> logit_bias ->
-    penalties (repetition on prompt + output, presence/frequency on output) -> greedy argmax,
+    penalties (repetition on prompt + output, presence/frequency on output) -> the
+    structured-output grammar's mask -> greedy argmax,
     or temperature -> min_p -> top_k -> top_p -> a draw. A draw is argmax(probs / Exp(1)
     noise), an exact sample from `probs`; a seeded request draws its noise from its own
     generator, so the tokens it gets do not depend on the other rows. Reported
@@ -100,13 +102,17 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Applies each row's logits processing (`_process_row`), copying `logits` only when
-        some row has any."""
+        """Applies each row's logits processing (`_process_row`), then the grammar masks of
+        the constrained rows, last as in vLLM; copies `logits` only when some row has any."""
         if not len(batch.processed_rows):
             return logits
         logits = logits.clone()
         for i in batch.processed_rows.tolist():
             logits[i] = self._process_row(logits[i], batch.states[i], int(batch.num_sampled[i]))
+        constrained = batch.constrained_rows
+        if len(constrained):
+            matchers = [batch.states[i].matcher for i in constrained.tolist()]
+            apply_grammar_masks(logits, constrained, matchers)  # type: ignore[arg-type]
         return logits
 
     def _process_row(

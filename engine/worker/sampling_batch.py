@@ -34,8 +34,9 @@ class SamplingBatch:
     `num_top`: the top log-probabilities each row returns (NO_LOGPROBS: none; 0: only the
     sampled token's, for best_of ranking). `num_sampled`: the rows sampled for each row's
     sequence so far, this one included (tokens known and in flight: min_tokens counts
-    both). `processed_rows` / `seeded_rows`: the rows whose logits are processed
-    (penalties, masks, biases) / that draw from their own generator.
+    both). `processed_rows` / `seeded_rows` / `constrained_rows`: the rows whose logits are
+    processed (penalties, masks, biases, grammars) / that draw from their own generator / that
+    a grammar constrains.
     """
 
     greedy = _Column()
@@ -65,6 +66,11 @@ class SamplingBatch:
     @cached_property
     def seeded_rows(self) -> np.ndarray:
         return np.flatnonzero(self.columns.seeded[self.slots])
+
+    @cached_property
+    def constrained_rows(self) -> np.ndarray:
+        """The rows whose structured-output grammar masks their logits."""
+        return np.flatnonzero(self.columns.constrained[self.slots])
 
 
 class SamplingColumns:
@@ -104,6 +110,7 @@ class _Columns:
         self.plain_greedy = np.zeros(capacity, dtype=bool)
         self.processes_logits = np.zeros(capacity, dtype=bool)
         self.seeded = np.zeros(capacity, dtype=bool)
+        self.constrained = np.zeros(capacity, dtype=bool)
         self.temperature = np.zeros(capacity, dtype=np.float32)
         self.top_k = np.zeros(capacity, dtype=np.int64)
         self.top_p = np.zeros(capacity, dtype=np.float32)
@@ -124,6 +131,7 @@ class _Columns:
         self.plain_greedy[slot] = params.is_plain_greedy
         self.processes_logits[slot] = params.processes_logits
         self.seeded[slot] = state.generator is not None
+        self.constrained[slot] = state.matcher is not None
         self.num_sampled[slot] = 0
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k

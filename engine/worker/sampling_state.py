@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import NewSampledSequence
+from octavo.engine.worker.grammar import GrammarMatchers
 
 
 @dataclass(eq=False, slots=True)
@@ -17,8 +19,10 @@ class SamplingState:
 
     `output_token_ids` holds the tokens that reached the host, kept only when the
     parameters read them (penalties, bad words); requests with those never run a step ahead,
-    so every earlier token is there when a row is sampled. Its parameters, and the count of
-    rows sampled for it, are in the input batch's `SamplingColumns`, at `slot`.
+    so every earlier token is there when a row is sampled. `matcher`: where a constrained
+    sequence is in its grammar, advanced by every token that reaches the host (such requests
+    never run a step ahead either). Its parameters, and the count of rows sampled for it, are
+    in the input batch's `SamplingColumns`, at `slot`.
     """
 
     params: SamplingParams
@@ -26,14 +30,20 @@ class SamplingState:
     stop_token_ids: list[int]
     generator: torch.Generator | None
     keeps_outputs: bool
+    matcher: LLMatcher | None = None
     output_token_ids: list[int] = field(default_factory=list)
     slot: int = -1
 
     @classmethod
-    def create(cls, new: NewSampledSequence, device: torch.device) -> SamplingState:
+    def create(
+        cls, new: NewSampledSequence, device: torch.device, grammars: GrammarMatchers
+    ) -> SamplingState:
         params = new.params
         generator = None
         if params.seed is not None:  # vLLM seeds parallel samples seed + index
             generator = torch.Generator(device=device).manual_seed(params.seed + new.sample_index)
         keeps_outputs = params.has_penalties or bool(params.bad_words_token_ids)
-        return cls(params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs)
+        matcher = None if params.grammar is None else grammars.matcher(params.grammar)
+        return cls(
+            params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs, matcher
+        )

@@ -13,6 +13,7 @@ from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import ModelRunnerOutput, SamplerOutput
 from octavo.engine.stop_rules import length_limit
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import InputBatch
 
 BLOCK_SIZE = 4
@@ -42,7 +43,8 @@ def test_persistent_rows_match_a_from_scratch_build_every_step():
     bm = BlockManager(14, BLOCK_SIZE)  # small enough to force preemptions
     scheduler = Scheduler(SchedulerConfig(6, 10), bm, StopChecker(None))
     # Two rows to start: the n > 1 requests make the table grow.
-    batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"))
+    grammars = GrammarMatchers(None, vocab_size=0, eos_token_id=None)  # nothing constrained
+    batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"), grammars)
     tokens = itertools.count(100)
     for i, (prompt_len, n, max_tokens) in enumerate(
         [(9, 1, 12), (3, 3, 7), (14, 2, 5), (5, 1, 20)]

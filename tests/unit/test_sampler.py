@@ -8,6 +8,7 @@ import torch
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import NewSampledSequence
 from octavo.engine.stop_rules import stop_token_set
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.sampler import (
     Sampler,
     apply_min_p,
@@ -20,6 +21,8 @@ from octavo.engine.worker.sampling_state import SamplingState
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 EOS = 4
+# No row of these tests is constrained: the matchers' tokenizer is never built.
+GRAMMARS = GrammarMatchers(None, vocab_size=0, eos_token_id=EOS)
 
 
 def kept(logits: torch.Tensor) -> list[list[int]]:
@@ -31,7 +34,7 @@ def request(prompt=(1,), output=(), seed=None, **params) -> SamplingState:
     sampling = SamplingParams(seed=seed, **params)
     stops = stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, EOS)
     new = NewSampledSequence(0, sampling, list(prompt), 0, stops)
-    state = SamplingState.create(new, torch.device("cpu"))
+    state = SamplingState.create(new, torch.device("cpu"), GRAMMARS)
     state.output_token_ids += list(output)
     return state
 

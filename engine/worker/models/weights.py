@@ -46,6 +46,14 @@ class LoadedModel:
     eos_token_id: int | None
 
 
+def tokenizer_file(model: str, load_format: str) -> Path | None:
+    """The model's tokenizer.json, or None (a dummy preset, a folder without one)."""
+    if load_format == "dummy" and model in DUMMY_PRESETS:
+        return None
+    path = resolve_model_path(model) / "tokenizer.json"
+    return path if path.is_file() else None
+
+
 def resolve_model_path(model: str) -> Path:
     """A local folder as is; otherwise a hub id downloaded (or found in the HF cache)."""
     path = Path(model).expanduser()

@@ -222,7 +222,8 @@ def test_chat_takes_the_completion_parameters(http, client):
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"n": 2, "best_of": 1}, "best_of"),
         ({"echo": True}, "echo"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_field(http, change, param):

@@ -31,7 +31,8 @@ FIELDS = [
     "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search",
     "length_penalty", "early_stopping", "prompt", "model", "prompt_logprobs", "made_up_field",
-    "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs", "response_format",
 ]  # fmt: skip
 # Keeps each generation short, so a hundred requests take seconds.
 SMALL = {"model": MODEL_NAME, "prompt": "The class", "max_tokens": 3}

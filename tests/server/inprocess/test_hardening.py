@@ -78,7 +78,8 @@ def test_extreme_length_penalties_finish_and_the_engine_lives(app_server, http, 
             "truncate_prompt_tokens",
         ),
         (b'{"model": "tiny", "prompt": "x", "response_format": {}}', "response_format"),
-        (b'{"model": "tiny", "prompt": "x", "guided_json": {}}', "guided_json"),
+        (b'{"model": "tiny", "prompt": "x", "guided_json": 5}', "guided_json"),
+        (b'{"model": "tiny", "prompt": "x", "guided_regex": "\\ud800"}', "guided_regex"),
     ],
 )
 def test_bad_values_are_400_naming_the_field_never_500(http, raw, param):

@@ -1,0 +1,74 @@
+"""The worker's side of structured outputs: an llguidance matcher per constrained sequence,
+and a step's masks applied to its logits in one operation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+# llguidance packs a mask as 32 allowed-token bits per int32 word.
+BITS_PER_WORD = 32
+
+
+class GrammarMatchers:
+    """Builds matchers over the model's tokenizer and masks logits with them.
+
+    The llguidance tokenizer (the vocabulary's bytes, for matching token by token) is built
+    on the first constrained request, not at startup: an engine that serves none never pays
+    for it. Its vocabulary is the model's (the logits' width), and EOS is the model's: a
+    matcher allows EOS exactly where its grammar accepts.
+    """
+
+    def __init__(self, tokenizer_file: Path | None, vocab_size: int, eos_token_id: int | None):
+        self.tokenizer_file = tokenizer_file
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._tokenizer: LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        if self._tokenizer is None:
+            if self.tokenizer_file is None:  # the front end refuses such requests first
+                raise ValueError("structured outputs need the model's tokenizer.json")
+            self._tokenizer = LLTokenizer(
+                self.tokenizer_file.read_text(),
+                n_vocab=self.vocab_size,
+                eos_token=self.eos_token_id,
+            )
+        return self._tokenizer
+
+    def matcher(self, grammar: str) -> LLMatcher:
+        """A matcher at the start of `grammar` (text the front end compiled and validated).
+        It never raises: a matcher in its error state allows no token, and the first token
+        it refuses fails its request alone (`InputBatch.record_sampled`)."""
+        return LLMatcher(self.tokenizer, grammar)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: np.ndarray, matchers: list[LLMatcher]) -> None:
+    """Sets to -inf, in place, every logit of rows `rows` of `logits` [R, vocab] whose token
+    the row's matcher does not allow next: the masks are filled on the host (llguidance, one
+    call per row), unpacked to one flag per token, and applied in one operation."""
+    vocab = logits.shape[1]
+    words = -(-vocab // BITS_PER_WORD)
+    bitmask = np.empty((len(matchers), words), dtype=np.int32)
+    row_bytes = words * bitmask.itemsize
+    for i, matcher in enumerate(matchers):
+        matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, row_bytes)
+    index = torch.from_numpy(rows.astype(np.int64))
+    if logits.device.type == "cuda":
+        # Unpacked on the device: a 32x smaller copy (pinned, so it waits for nothing).
+        device = logits.device
+        packed = torch.from_numpy(bitmask).pin_memory().to(device, non_blocking=True)
+        index = index.pin_memory().to(device, non_blocking=True)
+        shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
+        allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    else:
+        # Bit i of word w is token 32 w + i: the words' little-endian bytes, each read from
+        # its lowest bit, in one pass (no [R, words, 32] intermediate).
+        little = bitmask.astype("<i4", copy=False).view(np.uint8)
+        flags = np.unpackbits(little, axis=1, count=vocab, bitorder="little")
+        allowed = torch.from_numpy(flags.view(np.bool_))
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
