@@ -262,15 +262,16 @@ class SamplingParams:
             and self.logprobs is None
             and not self.ranks_samples
             and not self.processes_logits
+            and self.structured_outputs is None
         )
 
     @cached_property
     def processes_logits(self) -> bool:
-        """Something changes this request's logits before a token is picked: penalties,
-        min_tokens, logit_bias, allowed_token_ids, bad_words or a structured-output grammar."""
+        """Something changes this request's logits row by row before a token is picked:
+        penalties, min_tokens, logit_bias, allowed_token_ids or bad_words (a structured-output
+        grammar's mask is applied to all its rows at once, apart)."""
         return bool(
-            self.structured_outputs is not None
-            or self.has_penalties
+            self.has_penalties
             or self.min_tokens
             or self.logit_bias
             or self.allowed_token_ids is not None

@@ -3,11 +3,14 @@ and a step's masks applied to its logits in one operation."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
+
+from octavo.engine.structured_outputs import COMPILED_GRAMMAR_CACHE_SIZE
 
 # llguidance packs a mask as 32 allowed-token bits per int32 word.
 BITS_PER_WORD = 32
@@ -27,6 +30,9 @@ class GrammarMatchers:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer: LLTokenizer | None = None
+        # A fresh matcher per grammar text, most recently used last: building one parses
+        # and compiles its grammar, copying one does not.
+        self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -44,19 +50,28 @@ class GrammarMatchers:
         """A matcher at the start of `grammar` (text the front end compiled and validated).
         It never raises: a matcher in its error state allows no token, and the first token
         it refuses fails its request alone (`InputBatch.record_sampled`)."""
-        return LLMatcher(self.tokenizer, grammar)
+        fresh = self._fresh.get(grammar)
+        if fresh is None:
+            fresh = self._fresh[grammar] = LLMatcher(self.tokenizer, grammar)
+            if len(self._fresh) > COMPILED_GRAMMAR_CACHE_SIZE:  # as many as the front end
+                self._fresh.popitem(last=False)
+        else:
+            self._fresh.move_to_end(grammar)
+        return fresh.deep_copy()
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: np.ndarray, matchers: list[LLMatcher]) -> None:
-    """Sets to -inf, in place, every logit of rows `rows` of `logits` [R, vocab] whose token
-    the row's matcher does not allow next: the masks are filled on the host (llguidance, one
-    call per row), unpacked to one flag per token, and applied in one operation."""
+    """Sets to -inf, in place, every logit of rows `rows` (ascending, distinct) of `logits`
+    [R, vocab] whose token the row's matcher does not allow next: the masks are filled on
+    the host (llguidance, one call per row), unpacked to one flag per token, and applied in
+    one operation."""
     vocab = logits.shape[1]
     words = -(-vocab // BITS_PER_WORD)
     bitmask = np.empty((len(matchers), words), dtype=np.int32)
     row_bytes = words * bitmask.itemsize
+    base = bitmask.ctypes.data
     for i, matcher in enumerate(matchers):
-        matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, row_bytes)
+        matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
     index = torch.from_numpy(rows.astype(np.int64))
     if logits.device.type == "cuda":
         # Unpacked on the device: a 32x smaller copy (pinned, so it waits for nothing).
@@ -71,4 +86,7 @@ def apply_grammar_masks(logits: torch.Tensor, rows: np.ndarray, matchers: list[L
         little = bitmask.astype("<i4", copy=False).view(np.uint8)
         flags = np.unpackbits(little, axis=1, count=vocab, bitorder="little")
         allowed = torch.from_numpy(flags.view(np.bool_))
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    if len(rows) == logits.shape[0]:  # every row (all constrained): in place, no gather
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

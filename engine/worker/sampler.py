@@ -104,12 +104,12 @@ class Sampler:
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Applies each row's logits processing (`_process_row`), then the grammar masks of
         the constrained rows, last as in vLLM; copies `logits` only when some row has any."""
-        if not len(batch.processed_rows):
+        processed, constrained = batch.processed_rows, batch.constrained_rows
+        if not len(processed) and not len(constrained):
             return logits
         logits = logits.clone()
-        for i in batch.processed_rows.tolist():
+        for i in processed.tolist():
             logits[i] = self._process_row(logits[i], batch.states[i], int(batch.num_sampled[i]))
-        constrained = batch.constrained_rows
         if len(constrained):
             matchers = [batch.states[i].matcher for i in constrained.tolist()]
             apply_grammar_masks(logits, constrained, matchers)  # type: ignore[arg-type]
