@@ -99,8 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument("--result-file", type=Path, default=None)
-    p.add_argument("--trace-dir", type=Path, default=None,
-                   help="also write each batch's profiled steps as a gzipped Chrome trace")
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="also write each batch's profiled steps as a gzipped Chrome trace",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.dtype, args.device = "smoke", "float32", "cpu"
