@@ -33,6 +33,22 @@ def _check_bool(name: str, value: object) -> None:
         raise ParameterError(name, f"{name} must be True or False, got {value!r}")
 
 
+def _validate_structured_outputs(constraint: object, ignore_eos: bool, min_tokens: int) -> None:
+    """A constraint is a StructuredOutputsParams, and it decides where the output ends (EOS
+    is allowed exactly where its grammar accepts): neither ignore_eos nor min_tokens."""
+    if constraint is None:
+        return
+    if not isinstance(constraint, StructuredOutputsParams):
+        raise ParameterError(
+            "structured_outputs",
+            f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}",
+        )
+    if ignore_eos:
+        raise ParameterError("ignore_eos", "ignore_eos cannot be combined with structured outputs")
+    if min_tokens:
+        raise ParameterError("min_tokens", "min_tokens cannot be combined with structured outputs")
+
+
 def _check_finite(name: str, value: object) -> None:
     """Numbers only (no bools), and neither NaN nor an infinity."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -113,7 +129,7 @@ class SamplingParams:
             self.bad_words = _as_list("bad_words", self.bad_words)
         self._validate()
         self._validate_token_controls()
-        self._validate_structured_outputs()
+        _validate_structured_outputs(self.structured_outputs, self.ignore_eos, self.min_tokens)
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -181,25 +197,6 @@ class SamplingParams:
             raise ParameterError(
                 "stop_token_ids",
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
-            )
-
-    def _validate_structured_outputs(self) -> None:
-        constraint = self.structured_outputs
-        if constraint is None:
-            return
-        if not isinstance(constraint, StructuredOutputsParams):
-            raise ParameterError(
-                "structured_outputs",
-                f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}",
-            )
-        # The grammar decides where a constrained output ends: EOS is its end.
-        if self.ignore_eos:
-            raise ParameterError(
-                "ignore_eos", "ignore_eos cannot be combined with structured outputs"
-            )
-        if self.min_tokens:
-            raise ParameterError(
-                "min_tokens", "min_tokens cannot be combined with structured outputs"
             )
 
     def _validate_token_controls(self) -> None:
@@ -310,6 +307,9 @@ class BeamSearchParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # None is taken for []
     skip_special_tokens: bool = True
+    # Every beam follows the constraint (its state forks with the beam), as SamplingParams'.
+    structured_outputs: StructuredOutputsParams | None = None
+    grammar: str | None = field(default=None, repr=False)  # as SamplingParams.grammar
 
     def __post_init__(self) -> None:
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
@@ -347,6 +347,7 @@ class BeamSearchParams:
                 "stop_token_ids",
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
             )
+        _validate_structured_outputs(self.structured_outputs, self.ignore_eos, self.min_tokens)
 
     @property
     def n(self) -> int:

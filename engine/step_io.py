@@ -45,6 +45,16 @@ class NewSampledSequence(msgspec.Struct, frozen=True, gc=False):
     stop_token_ids: list[int]
 
 
+class BeamChoice(msgspec.Struct, frozen=True, gc=False):
+    """A live beam of a constrained beam search after a step: sequence `seq_id` continues
+    beam `parent_seq_id` (itself, or the beam it forked off) with `token_id`. The worker's
+    grammar state of the beam is the parent's, advanced by the token."""
+
+    seq_id: int
+    parent_seq_id: int
+    token_id: int
+
+
 # gc=False: one per scheduled sequence per step, never in a cycle (see SampleDelta).
 class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
     """One sequence's work in a step: positions [start, start + num_new_tokens).
@@ -83,6 +93,9 @@ class SchedulerOutput:
     aborted, preempted, pruned beams): the worker drops their rows first.
     `finished_seq_ids`: sequences that ended since the previous step: the worker drops
     everything it kept of them (a preempted sequence is freed, not finished).
+    `new_constrained_beams`: the grammar of each constrained beam search's first beam,
+    scheduled for the first time; `beam_choices`: the beams such searches continue with
+    after their last step (applied before `finished_seq_ids`, which lists the beams pruned).
     """
 
     scheduled: list[ScheduledSequence]
@@ -91,6 +104,8 @@ class SchedulerOutput:
     new_sampled: list[NewSampledSequence] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    new_constrained_beams: dict[int, str] = field(default_factory=dict)
+    beam_choices: list[BeamChoice] = field(default_factory=list)
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
 
     @property

@@ -153,11 +153,6 @@ class EngineServing:
         what one or more steps added); a plain response only the final output."""
         structured_outputs = request.structured_outputs_params()
         if request.use_beam_search:
-            if structured_outputs is not None:
-                raise ParameterError(
-                    request.constraint_fields[0],
-                    "structured outputs cannot be combined with use_beam_search yet",
-                )
             try:
                 return BeamSearchParams(
                     beam_width=request.best_of or request.n,
@@ -169,6 +164,7 @@ class EngineServing:
                     ignore_eos=request.ignore_eos,
                     stop_token_ids=request.stop_token_ids or [],
                     skip_special_tokens=request.skip_special_tokens,
+                    structured_outputs=structured_outputs,
                 )
             except ParameterError as exc:  # name the fields as the client sent them
                 raise ParameterError(request.client_param(exc.param), str(exc)) from exc

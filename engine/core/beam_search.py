@@ -82,6 +82,7 @@ class BeamSearch:
         assert state is not None
         state.running_scores = state.running_scores + logprob
         beam.append_token(token, float(logprob))
+        state.last_choices = [(beam.seq_id, beam.seq_id, token)]
         stopped = token in state.stop_token_ids
         if stopped or generated + 1 >= state.max_new_tokens:
             length = generated + 1
@@ -160,6 +161,12 @@ class BeamSearch:
         # Forks copied their parents' tokens above; now every beam gets its own new token.
         for beam, (_, token, logprob) in zip(next_beams, chosen, strict=True):
             beam.append_token(token, float(logprob))
+        state = group.beam
+        assert state is not None
+        state.last_choices = [
+            (beam.seq_id, beams[parent_index].seq_id, token)
+            for beam, (parent_index, token, _) in zip(next_beams, chosen, strict=True)
+        ]
         for index, beam in enumerate(beams):
             if index not in used:  # pruned: nobody continues it
                 beam.status = SequenceStatus.FINISHED_STOPPED

@@ -55,6 +55,8 @@ class BeamState:
     # float32 [beam_width], NEG_INF_SCORE if empty (create() sizes it).
     slot_scores: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     heuristic_unsatisfied: bool = True
+    # The live beams after the last step: (seq_id, parent seq_id, token) each.
+    last_choices: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
     def create(

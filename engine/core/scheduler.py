@@ -19,6 +19,7 @@ from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.step_io import (
+    BeamChoice,
     ModelRunnerOutput,
     NewSampledSequence,
     PromptLogprobsSpan,
@@ -105,6 +106,11 @@ class Scheduler:
         self._sample_rows: dict[int, tuple[tuple[int, ...], tuple[Sequence, ...]]] = {}
         self._new_sampled: list[NewSampledSequence] = []  # since the last schedule()
         self._finished_seq_ids: list[int] = []  # sampled sequences finished since then
+        # Beams of constrained beam searches the worker keeps a grammar state of, the first
+        # beams announced since the last schedule(), and the beams chosen since then.
+        self._constrained_beams: set[int] = set()
+        self._new_constrained_beams: dict[int, str] = {}
+        self._beam_choices: list[BeamChoice] = []
         self._num_prompt_logprobs_spans = 0  # in the step being scheduled
         self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_cache_hits = 0  # of which were found
@@ -249,9 +255,12 @@ class Scheduler:
             new_sampled=self._new_sampled,
             freed_seq_ids=freed,
             finished_seq_ids=self._finished_seq_ids,
+            new_constrained_beams=self._new_constrained_beams,
+            beam_choices=self._beam_choices,
             has_prompt_logprobs=self._num_prompt_logprobs_spans > 0,
         )
         self._new_sampled, self._finished_seq_ids = [], []
+        self._new_constrained_beams, self._beam_choices = {}, []
         return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
 
     def _schedule_seq(
@@ -271,6 +280,8 @@ class Scheduler:
         sample_ids, sample_seqs = samples
         for sampled in sample_seqs:
             sampled.num_pending_tokens += 1
+        if beam_top_k and group.beam_grammar is not None:
+            self._announce_beam(seq, group.beam_grammar)
         item = ScheduledSequence(
             seq_id=seq.seq_id,
             start=start,
@@ -616,9 +627,26 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
             self.fail(group, exc)
             return
+        if group.beam_grammar is not None:
+            self._follow_constrained_beams(group, beams)
         self.num_generation_tokens += len(beams)
         if group.first_token_time is None:
             group.first_token_time = now
+
+    def _follow_constrained_beams(self, group: SequenceGroup, before: list[Sequence]) -> None:
+        """Tells the worker which beams a constrained search goes on with (each from its
+        parent's grammar state), and which it dropped: pruned, or all at its end."""
+        state = group.beam
+        assert state is not None
+        live = set()
+        if not group.is_finished:
+            for seq_id, parent_seq_id, token_id in state.last_choices:
+                self._beam_choices.append(BeamChoice(seq_id, parent_seq_id, token_id))
+                self._constrained_beams.add(seq_id)
+                live.add(seq_id)
+        for seq_id in {b.seq_id for b in before} | {c[0] for c in state.last_choices}:
+            if seq_id not in live:
+                self._forget_beam(seq_id)
 
     def fail(self, group: SequenceGroup, exc: BaseException) -> None:
         """Ends a request whose processing raised: its unfinished sequences finish with
@@ -646,3 +674,16 @@ class Scheduler:
         self.block_manager.free(seq)
         if self._sample_rows.pop(seq.seq_id, None) is not None:
             self._finished_seq_ids.append(seq.seq_id)
+        self._forget_beam(seq.seq_id)
+
+    def _announce_beam(self, seq: Sequence, grammar: str) -> None:
+        """The first beam of a constrained search, scheduled: the worker starts its grammar
+        state (the others are forks, announced as `BeamChoice`s)."""
+        if seq.seq_id not in self._constrained_beams:
+            self._constrained_beams.add(seq.seq_id)
+            self._new_constrained_beams[seq.seq_id] = grammar
+
+    def _forget_beam(self, seq_id: int) -> None:
+        if seq_id in self._constrained_beams:
+            self._constrained_beams.discard(seq_id)
+            self._finished_seq_ids.append(seq_id)

@@ -147,6 +147,8 @@ class SequenceGroup:
     final_only: bool = field(init=False)
     # Asks for prompt logprobs: an attribute, read for every scheduled sequence of a step.
     wants_prompt_logprobs: bool = field(init=False)
+    # A beam search's structured-output grammar (None: unconstrained, or not a beam search).
+    beam_grammar: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_sequences = self.sampling_params.num_sequences
@@ -160,6 +162,7 @@ class SequenceGroup:
         self.wants_prompt_logprobs = (
             isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         )
+        self.beam_grammar = params.grammar if isinstance(params, BeamSearchParams) else None
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:

@@ -39,13 +39,12 @@ class InputProcessor:
                 text, token_ids = None, token_ids[-keep:]  # the text is the kept tokens'
             if params.bad_words:
                 params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-            if params.structured_outputs is not None:
-                if self.tokenizer is None:  # the worker masks through the tokenizer's tokens
-                    raise ParameterError(
-                        "structured_outputs",
-                        "structured_outputs: this model has no tokenizer.json",
-                    )
-                params.grammar = compile_grammar(params.structured_outputs)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:  # the worker masks through the tokenizer's tokens
+                raise ParameterError(
+                    "structured_outputs", "structured_outputs: this model has no tokenizer.json"
+                )
+            params.grammar = compile_grammar(params.structured_outputs)
         self._validate(token_ids, params)
         return ProcessedPrompt(text, token_ids)
 

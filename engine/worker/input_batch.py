@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from octavo.engine.step_io import GrammarProgress, SchedulerOutput
 from octavo.engine.worker.grammar import GrammarMatchers
@@ -110,7 +111,9 @@ class InputBatch:
         self.sampling: dict[int, SamplingState] = {}
         self.sampling_columns = SamplingColumns(max_num_seqs)
         self._keeping_outputs: set[int] = set()  # sequences whose sampling reads its outputs
-        self._constrained: set[int] = set()  # sequences with a grammar
+        self._constrained: set[int] = set()  # sampled sequences with a grammar
+        # The grammar state of each beam of a constrained beam search.
+        self.beam_matchers: dict[int, LLMatcher] = {}
         max_blocks = -(-max_model_len // block_size)
         # One row per running sequence; doubled if ever full (a step's freed rows are
         # returned before its new ones are taken, so max_num_seqs rows normally suffice).
@@ -158,11 +161,14 @@ class InputBatch:
         return progress
 
     def apply_changes(self, output: SchedulerOutput) -> None:
-        """What changed since the previous step: freed rows, finished sequences, new sampled
-        sequences and new or changed block tables."""
+        """What changed since the previous step: freed rows, the beams constrained searches
+        go on with, finished sequences, new sampled sequences and new or changed block
+        tables."""
         for seq_id in output.freed_seq_ids:
             self._drop(seq_id)
+        self._follow_beams(output)
         for seq_id in output.finished_seq_ids:
+            self.beam_matchers.pop(seq_id, None)
             finished = self.sampling.pop(seq_id, None)
             if finished is not None:
                 self.sampling_columns.remove(finished.slot)
@@ -181,6 +187,24 @@ class InputBatch:
             if row is None:
                 row = self._add(seq_id)
             self.block_table[row, : len(blocks)] = blocks
+
+    def _follow_beams(self, output: SchedulerOutput) -> None:
+        """Starts the grammar state of each new constrained search's first beam; gives every
+        beam a search goes on with its parent's state advanced by its token (copies first,
+        so that a parent that is also continued keeps the state its forks copy)."""
+        for seq_id, grammar in output.new_constrained_beams.items():
+            self.beam_matchers[seq_id] = self.grammars.matcher(grammar)
+        if not output.beam_choices:
+            return
+        parents = {
+            c.parent_seq_id: self.beam_matchers[c.parent_seq_id] for c in output.beam_choices
+        }
+        for choice in output.beam_choices:
+            matcher = parents[choice.parent_seq_id].deep_copy()
+            # A refused token leaves the matcher in its error state: it allows nothing, so
+            # the beam's candidates are all -inf and the search drops it.
+            matcher.consume_token(choice.token_id)
+            self.beam_matchers[choice.seq_id] = matcher
 
     def prepare(self, output: SchedulerOutput) -> HostBatch:
         """Applies the step's row changes and computes its inputs.

@@ -18,7 +18,7 @@ from octavo.engine.step_io import (
 )
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
-from octavo.engine.worker.grammar import GrammarMatchers
+from octavo.engine.worker.grammar import GrammarMatchers, apply_grammar_masks
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.sampler import SampledTokens, Sampler
@@ -204,11 +204,23 @@ class ModelRunner:
         candidates = None
         if batch.beam_seq_ids:
             logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
+            self._mask_constrained_beams(logprobs, batch.beam_seq_ids)
             candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
         return StepFuture(
             batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates, prompt_logprobs,
             self.input_batch.record_sampled,
         )  # fmt: skip
+
+    def _mask_constrained_beams(self, logprobs: torch.Tensor, beam_seq_ids: list[int]) -> None:
+        """Leaves each constrained beam only the tokens its grammar allows next, after the
+        log-softmax, as Hugging Face applies a logits processor in beam search."""
+        matchers = self.input_batch.beam_matchers
+        if not matchers:
+            return
+        rows = [i for i, seq_id in enumerate(beam_seq_ids) if seq_id in matchers]
+        if rows:
+            states = [matchers[beam_seq_ids[i]] for i in rows]
+            apply_grammar_masks(logprobs, np.array(rows), states)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: HostBatch) -> dict[int, TopLogprobs]:
         """Each span's prompt-token log-probabilities and best tokens, from the step's hidden

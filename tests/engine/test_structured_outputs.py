@@ -7,6 +7,7 @@ token fails that request alone."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from octavo.engine.errors import ParameterError
 from octavo.engine.structured_outputs import StructuredOutputsParams, compile_grammar
 from tests.checkpoints import sample_prompts
@@ -195,6 +196,89 @@ def test_one_step_ahead_scheduling_changes_no_token(roomy, hf_tiny, tiny_model_d
     got = run_to_completion(ahead, batch, params)
     for want, have in zip(expected, got, strict=True):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+class BeamGrammarMask(LogitsProcessor):
+    """The oracle of constrained beam search: each row's grammar state rebuilt from scratch
+    from the tokens that row generated (HF reorders rows as beams), llguidance's own mask."""
+
+    def __init__(self, tokenizer: LLTokenizer, grammar: str, vocab: int, prompt_len: int):
+        self.tokenizer, self.grammar = tokenizer, grammar
+        self.vocab, self.prompt_len = vocab, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
+            matcher = LLMatcher(self.tokenizer, self.grammar)
+            if not matcher.consume_tokens(ids):
+                scores[row] = float("-inf")
+                continue
+            bias = bytearray(matcher.compute_logit_bias())
+            allowed = torch.frombuffer(bias, dtype=torch.uint8)[: self.vocab] > 0
+            scores[row] = scores[row].masked_fill(~allowed, float("-inf"))
+        return scores
+
+
+@pytest.mark.parametrize(
+    ("name", "tight"),
+    [("choice", False), ("regex", False), ("json", False), ("json", True)],
+    ids=["choice", "regex", "json", "json-preempting"],
+)
+def test_constrained_beam_search_equals_hf_with_the_same_mask(
+    roomy, hf_tiny, tiny_model_dir, name, tight
+):
+    """Every beam's grammar state forks with the beam (copied as its blocks are shared):
+    sequences and scores as HF's beam search with a processor applying the same grammar to
+    each beam, with a pool small enough to preempt too; every finished output is valid."""
+    constraint = CONSTRAINTS[name]
+    grammar = compile_grammar(constraint)
+    vocab, eos = hf_tiny.config.vocab_size, hf_tiny.config.eos_token_id
+    tokenizer = LLTokenizer(
+        (Path(tiny_model_dir) / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=eos
+    )
+    params = BeamSearchParams(
+        beam_width=3, max_tokens=16, num_return_sequences=2, structured_outputs=constraint
+    )
+    batch = prompts(vocab)
+    target = (
+        engine(tiny_model_dir, num_blocks=26, block_size=4, max_model_len=48)
+        if tight
+        else roomy
+    )
+    for i, prompt in enumerate(batch):
+        target.add_request(f"beam-{i}", prompt, copy.deepcopy(params))
+    outputs: dict[str, object] = {}
+    while target.has_unfinished_requests():
+        for output in target.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    assert target.block_manager.num_free_blocks == target.block_manager.num_usable_blocks
+    for i, prompt in enumerate(batch):
+        with torch.no_grad():
+            hf = hf_tiny.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                num_beams=params.beam_width,
+                num_return_sequences=params.num_return_sequences,
+                max_new_tokens=params.max_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList(
+                    [BeamGrammarMask(tokenizer, grammar, vocab, len(prompt))]
+                ),
+                pad_token_id=eos,
+            )
+        expected = []
+        for row in hf.sequences[:, len(prompt) :].tolist():
+            expected.append(row[: row.index(eos) + 1] if eos in row else row)
+        ours = outputs[f"beam-{i}"].outputs
+        assert [c.token_ids for c in ours] == expected
+        assert [c.score for c in ours] == pytest.approx(hf.sequences_scores.tolist(), abs=1e-4)
+        for completion in ours:
+            if completion.finish_reason == "stop":
+                assert validates(constraint, completion.text), completion.text
+    if tight:
+        assert target.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,19 @@ def test_the_openai_clients_parse_fills_a_pydantic_model(client):
     assert isinstance(message.parsed, Verdict), message.content
 
 
+def test_beam_search_follows_the_constraint(http):
+    response = http.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16, "use_beam_search": True,
+            "best_of": 3, "n": 2, "guided_choice": CHOICES,
+        },
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 2 and all(c["text"] in CHOICES for c in choices), choices
+
+
 def test_streamed_deltas_concatenate_to_a_valid_output(client):
     regex = r"[a-z]{3,8}-[0-9]{2}"
     stream = client.completions.create(
@@ -125,7 +138,7 @@ def test_vllm_fields_over_raw_http(http, body, check):
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"guided_regex": "a" * 70_000}, "guided_regex"),
         ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
-        ({"guided_choice": ["a"], "use_beam_search": True, "n": 2}, "guided_choice"),
+        ({"guided_choice": ["a"], "use_beam_search": True, "min_tokens": 1}, "min_tokens"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_a_400_naming_the_field(http, body, param):
