@@ -240,9 +240,7 @@ def test_constrained_beam_search_equals_hf_with_the_same_mask(
     )
     batch = prompts(vocab)
     target = (
-        engine(tiny_model_dir, num_blocks=26, block_size=4, max_model_len=48)
-        if tight
-        else roomy
+        engine(tiny_model_dir, num_blocks=26, block_size=4, max_model_len=48) if tight else roomy
     )
     for i, prompt in enumerate(batch):
         target.add_request(f"beam-{i}", prompt, copy.deepcopy(params))
