@@ -40,7 +40,6 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 from octavo.benchmarks.common import RESULTS_DIR, git_commit, machine_info
 from octavo.engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
-from octavo.engine.config import EngineConfig
 from octavo.engine.structured_outputs import _compile, compile_grammar
 from octavo.engine.worker.grammar import GrammarMatchers, apply_grammar_masks
 from octavo.server.server_args import DEFAULT_MODEL
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "xgrammar": xgrammar_times(vocab, eos, repeats[0]) if args.xgrammar else None,
         "engine": engine_throughput(llm, args),
-        "ttft": ttft(LLMEngine(EngineConfig(model=str(DEFAULT_MODEL))), args.ttft_repeats),
+        "ttft": ttft(llm.engine, args.ttft_repeats),
     }
     args.result_file.parent.mkdir(parents=True, exist_ok=True)
     args.result_file.write_text(json.dumps(result, indent=2) + "\n")

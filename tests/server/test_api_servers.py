@@ -60,7 +60,12 @@ def pids_holding(pids: list[int], inodes: set[str]) -> dict[int, int]:
     """How many of `inodes` each process holds open."""
     held = {}
     for pid in pids:
-        targets = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        targets = []
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                targets.append(os.readlink(fd))
+            except FileNotFoundError:  # closed since the listing (a connection that ended)
+                continue
         held[pid] = sum(t.removeprefix("socket:[").removesuffix("]") in inodes for t in targets)
     return held
 
