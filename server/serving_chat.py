@@ -57,6 +57,7 @@ class ChatServing(EngineServing):
                 "/v1/completions",
             )
         self._check_supported(request)
+        await self.compile_constraint(request)
         prompts = [self.process(request, self._render(template, request))]
         request_id = chat_completion_id()
         streams = self.submit(request_id, prompts)

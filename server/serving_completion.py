@@ -43,6 +43,7 @@ class CompletionServing(EngineServing):
         """The response to one completion request. A non-streaming request whose client
         disconnects (`raw_request` says so) is aborted like a stream whose client left."""
         self._check_supported(request)
+        await self.compile_constraint(request)
         prompts = [self.process(request, p) for p in request.prompts()]
         request_id = completion_id()
         streams = self.submit(request_id, prompts)

@@ -25,6 +25,7 @@ from octavo.engine.frontend.input_processor import ProcessedPrompt
 from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.structured_outputs import compile_grammar
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
+# A constraint that takes longer to compile is refused (a 400), and reaches no engine.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps each logit_bias value to [-100, 100]
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,32 @@ class EngineServing:
             )
 
     # -- engine inputs -----------------------------------------------------------------------
+
+    async def compile_constraint(self, request: GenerationRequest) -> None:
+        """Compiles the request's structured-output constraint in a thread (llguidance
+        releases the GIL while it builds a grammar), so that a large one never stalls the
+        other streams of this event loop; `process` then finds it compiled, in the cache.
+        A compile past GRAMMAR_COMPILE_TIMEOUT_S is a 400 naming the constraint's field; an
+        invalid constraint is left to `process`, which names the field too."""
+        try:
+            constraint = request.structured_outputs_params()
+        except ParameterError:
+            return
+        if constraint is None:
+            return
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(compile_grammar, constraint), GRAMMAR_COMPILE_TIMEOUT_S
+            )
+        except ParameterError:
+            return
+        except TimeoutError:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"the structured-output constraint took longer than "
+                f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile",
+                param=request.constraint_fields[0],
+            ) from None
 
     def process(self, request: GenerationRequest, prompt: str | list[int]) -> PromptAndParams:
         """Tokenizes and validates one prompt; max_tokens defaults to the room left in the

@@ -15,6 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from octavo.server import serving_engine
 from tests.server.conftest import MODEL_NAME
 
 PROMPT = "The verdict:"
@@ -148,6 +149,19 @@ def test_bad_constraints_are_a_400_naming_the_field(http, body, param):
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_constraint_that_compiles_too_long_is_a_400_and_the_server_goes_on(http, monkeypatch):
+    """The compile runs in a thread, bounded in time: past the bound the request is refused
+    and nothing reaches the engine; the next request is served."""
+    monkeypatch.setattr(serving_engine, "GRAMMAR_COMPILE_TIMEOUT_S", 0.0)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4}
+    # A regex no earlier test compiled (a cached one compiles at once).
+    response = http.post("/v1/completions", json=body | {"guided_regex": "[a-f]{3}z[0-9]{7}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "guided_regex"
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_a_bad_schema_through_the_openai_client_raises_bad_request(client):
