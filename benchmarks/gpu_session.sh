@@ -51,8 +51,11 @@ tests)
     step gpu_tests "$python" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider
     # The CPU engine suite as it is, every engine moved to CUDA (float32 kept): CUDA graphs,
     # pinned copies and one-step-ahead scheduling against the same HF oracle.
-    step engine_suite_on_cuda "$python" -m pytest -q tests/engine -m "not gpu" \
-        --engine-device cuda -p no:cacheprovider --timeout 120
+    # Eight workers (pytest-xdist is on the GPU image; the machine has 16 cores): one after
+    # another the tests take longer than a 10-minute call, most of it Triton compiling each
+    # test's shapes.
+    step engine_suite_on_cuda "$python" -m pytest -q -n 8 tests/engine tests/unit -m "not gpu" \
+        --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)
     step kernel_bench "$python" benchmarks/kernel_bench.py --sweep --result-file "$out/kernel_bench.json"
