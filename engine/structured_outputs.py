@@ -3,8 +3,9 @@
 
 The front end turns a constraint into grammar text and validates it (`compile_grammar`,
 cached), so a bad schema, regex or grammar is refused before anything is queued and the core
-receives only the grammar text (`SamplingParams.grammar`). The worker builds one matcher per
-sampled sequence from that text and masks its logits each step (engine/worker/grammar.py).
+receives only the grammar text (`SamplingParams.grammar`, `BeamSearchParams.grammar`). The
+worker keeps one matcher per sampled sequence or beam, built from that text, and masks their
+logits each step (engine/worker/grammar.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ if TYPE_CHECKING:  # a TypedDict of the type stubs only
     from llguidance._lib import JsonCompileOptions
 
 # The most characters a constraint may have (a schema as JSON text, a regex, a grammar, the
-# choices together): it is compiled on the front end's loop, so its size is bounded there.
+# choices together): it is compiled on the front end (over HTTP in a thread, under a time
+# bound), so its size is bounded there too.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 # Grammars compiled and validated, kept by their text: a client that sends the same schema
 # with every request pays for it once.
