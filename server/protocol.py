@@ -96,8 +96,7 @@ class JsonSchemaFormat(BaseModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    # Octavo's JSON is always exactly the schema's (llguidance enforces every keyword it
-    # supports and refuses the rest), so strict changes nothing.
+    # Octavo always enforces the schema (as llguidance compiles it): strict changes nothing.
     strict: bool | None = None
 
     @field_validator("schema_", "name", "description")
@@ -228,7 +227,7 @@ class GenerationRequest(BaseModel, ABC):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        given = [name for name in CONSTRAINT_FIELDS if name in self.constraint_fields]
+        given = self.constraint_fields
         if len(given) > 1:
             raise PydanticCustomError(
                 "one_constraint",
