@@ -14,7 +14,8 @@
 #   here:  pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #            fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types \
-#            typing-inspection msgspec pyzmq opentelemetry-api importlib-metadata
+#            typing-inspection msgspec pyzmq opentelemetry-api importlib-metadata \
+#            llguidance jsonschema jsonschema-specifications referencing rpds-py
 #          (the versions `make install` put in .venv; one version of each)
 #   there: pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #          export PYTHONPATH=/tmp/site
