@@ -12,7 +12,8 @@
 # The GPU machine lacks the server's packages (the serve stage needs them; so do the tests of
 # the async engine): fetch them as wheels here, carry .whl/ and install them there first.
 #   here:  pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#            --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+#            --platform manylinux2014_x86_64 -d .whl \
 #            fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types \
 #            typing-inspection msgspec pyzmq opentelemetry-api importlib-metadata \
 #            llguidance jsonschema jsonschema-specifications referencing rpds-py
