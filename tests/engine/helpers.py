@@ -38,3 +38,10 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=hf_model.config.eos_token_id,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def llguidance_allowed(matcher, vocab: int) -> torch.Tensor:
+    """The tokens an llguidance matcher allows next, bool [vocab], from its byte-per-token
+    logit bias: the oracle of the engine's bit masks (a different code path in llguidance)."""
+    bias = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
+    return bias[:vocab] > 0

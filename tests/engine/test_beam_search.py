@@ -30,9 +30,10 @@ def make_case(seed: int, vocab: int) -> tuple[list[int], BeamSearchParams]:
     return [rng.randrange(1, vocab) for _ in range(rng.randint(1, 100))], params
 
 
-def hf_beam_search(hf, prompt: list[int], params: BeamSearchParams):
+def hf_beam_search(hf, prompt: list[int], params: BeamSearchParams, logits_processor=None):
     """HF's returned sequences (generated part, cut after EOS) and their scores. HF runs
-    num_beams=1 as greedy search, whose score we compute as ours is defined."""
+    num_beams=1 as greedy search, whose score we compute as ours is defined.
+    `logits_processor`: HF's LogitsProcessorList to run after its own processors."""
     eos = hf.config.eos_token_id
     with torch.no_grad():
         out = hf.generate(
@@ -48,6 +49,7 @@ def hf_beam_search(hf, prompt: list[int], params: BeamSearchParams):
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=eos,
+            logits_processor=logits_processor,
         )
     sequences = []
     for row in out.sequences[:, len(prompt) :].tolist():

@@ -22,7 +22,8 @@ from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingPar
 from octavo.engine.errors import ParameterError
 from octavo.engine.structured_outputs import StructuredOutputsParams, compile_grammar
 from tests.checkpoints import sample_prompts
-from tests.engine.helpers import run_to_completion
+from tests.engine.helpers import llguidance_allowed, run_to_completion
+from tests.engine.test_beam_search import hf_beam_search
 
 SCHEMA = {
     "type": "object",
@@ -112,8 +113,7 @@ class GrammarMask(LogitsProcessor):
             self.prompt_len = input_ids.shape[1]
         else:
             assert self.matcher.consume_token(int(input_ids[0, -1]))
-        bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
-        allowed = bias[: self.vocab] > 0
+        allowed = llguidance_allowed(self.matcher, self.vocab)
         return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -212,8 +212,7 @@ class BeamGrammarMask(LogitsProcessor):
             if not matcher.consume_tokens(ids):
                 scores[row] = float("-inf")
                 continue
-            bias = bytearray(matcher.compute_logit_bias())
-            allowed = torch.frombuffer(bias, dtype=torch.uint8)[: self.vocab] > 0
+            allowed = llguidance_allowed(matcher, self.vocab)
             scores[row] = scores[row].masked_fill(~allowed, float("-inf"))
         return scores
 
@@ -251,27 +250,11 @@ def test_constrained_beam_search_equals_hf_with_the_same_mask(
                 outputs[output.request_id] = output
     assert target.block_manager.num_free_blocks == target.block_manager.num_usable_blocks
     for i, prompt in enumerate(batch):
-        with torch.no_grad():
-            hf = hf_tiny.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                num_beams=params.beam_width,
-                num_return_sequences=params.num_return_sequences,
-                max_new_tokens=params.max_tokens,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                logits_processor=LogitsProcessorList(
-                    [BeamGrammarMask(tokenizer, grammar, vocab, len(prompt))]
-                ),
-                pad_token_id=eos,
-            )
-        expected = []
-        for row in hf.sequences[:, len(prompt) :].tolist():
-            expected.append(row[: row.index(eos) + 1] if eos in row else row)
+        mask = BeamGrammarMask(tokenizer, grammar, vocab, len(prompt))
+        expected, scores = hf_beam_search(hf_tiny, prompt, params, LogitsProcessorList([mask]))
         ours = outputs[f"beam-{i}"].outputs
         assert [c.token_ids for c in ours] == expected
-        assert [c.score for c in ours] == pytest.approx(hf.sequences_scores.tolist(), abs=1e-4)
+        assert [c.score for c in ours] == pytest.approx(scores, abs=1e-4)
         for completion in ours:
             if completion.finish_reason == "stop":
                 assert validates(constraint, completion.text), completion.text
