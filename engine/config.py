@@ -29,9 +29,9 @@ class EngineConfig:
     """
 
     model: str = field(
-        metadata={"help": "Hugging Face-format folder or hub id (or, with --load-format "
-                  "dummy, gpt2 / gpt2-medium / gpt2-large / gpt2-xl or a folder with only "
-                  "config.json)"}
+        metadata={"help": "Hugging Face-format folder or hub id, model_type gpt2 or "
+                  "gpt_bigcode (or, with --load-format dummy, gpt2 / gpt2-medium / gpt2-large "
+                  "/ gpt2-xl / gpt_bigcode or a folder with only config.json)"}
     )  # fmt: skip
     dtype: str = field(
         default="auto", metadata={"help": "weights and KV cache dtype (auto: float16 on CUDA, "

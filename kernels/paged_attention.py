@@ -1,5 +1,11 @@
 """paged_attention: causal attention for a mixed batch of prefill chunks and decodes, reading
-every key and value (cached context and this step's tokens) through the block table."""
+every key and value (cached context and this step's tokens) through the block table.
+
+Grouped queries (multi-query attention): the cache may hold fewer K/V heads than q has query
+heads, each K/V head shared by GROUP_SIZE = num_heads // num_kv_heads consecutive query heads.
+A program of query head h reads K/V head h // GROUP_SIZE in place: nothing is copied per
+query head. GROUP_SIZE is a compile-time constant, so at 1 (GPT-2) the division folds away
+and the kernels are the ungrouped ones."""
 
 from __future__ import annotations
 
@@ -89,7 +95,7 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_seqlen_k: int, num_sms:
 
 @triton.jit
 def _prefill_tile(
-    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, head, dims, dim_mask, q_pos, seq_len,
+    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, dims, dim_mask, q_pos, seq_len,
     start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h, block_size,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
@@ -100,7 +106,7 @@ def _prefill_tile(
     col_mask = cols < seq_len
     blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
     slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
-    kv_offsets = slots[:, None] + head * cache_stride_h + dims[None, :]
+    kv_offsets = slots[:, None] + kv_head * cache_stride_h + dims[None, :]
     kv_mask = col_mask[:, None] & dim_mask[None, :]
     # other=0: slots past seq_len in a partial block may hold anything, NaN included.
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
@@ -129,9 +135,11 @@ def _prefill_kernel(
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
+    kv_head = head // GROUP_SIZE
     # The grid's last axis is launched last: reversed, the tiles with the most keys (the
     # causal diagonal's far end) start first and the short ones fill the tail.
     tile = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -163,13 +171,13 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, head, dims, dim_mask, q_pos,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, dims, dim_mask, q_pos,
             seq_len, start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h,
             block_size, BLOCK_N=BLOCK_N, MASKED=False,
         )  # fmt: skip
     for start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, head, dims, dim_mask, q_pos,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, dims, dim_mask, q_pos,
             seq_len, start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h,
             block_size, BLOCK_N=BLOCK_N, MASKED=True,
         )  # fmt: skip
@@ -189,7 +197,7 @@ def _decode_kernel(
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, GROUP_SIZE: tl.constexpr,
 ):  # fmt: skip
     """One query per sequence: a GEMV, so no tl.dot (a 16-row MMA tile would waste 15 rows).
     Split `split` of `num_splits` covers an equal, BLOCK_N-aligned share of the keys."""
@@ -197,6 +205,7 @@ def _decode_kernel(
     head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1)
+    kv_head = head // GROUP_SIZE
     seq_len = tl.load(seq_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -214,7 +223,7 @@ def _decode_kernel(
         col_mask = cols < end
         blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
         slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
-        kv_offsets = slots[:, None] + head * cache_stride_h + dims[None, :]
+        kv_offsets = slots[:, None] + kv_head * cache_stride_h + dims[None, :]
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
@@ -285,8 +294,12 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out) -> No
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.shape[2:] != (num_heads, head_dim) or k_cache.dtype != q.dtype:
-        raise ValueError(f"cache {tuple(k_cache.shape)} {k_cache.dtype} does not match q")
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or k_cache.dtype != q.dtype:
+        raise ValueError(
+            f"cache {tuple(k_cache.shape)} {k_cache.dtype} does not match q "
+            f"{tuple(q.shape)} {q.dtype} (K/V heads must divide the query heads)"
+        )
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("head_dim must be the contiguous dimension")
     for name, t in (
@@ -321,9 +334,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """out[t] = causal softmax(q[t] K^T * scale) V over each sequence's paged keys.
 
-    q, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_heads,
-    head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (keys
-    after this step, context included); cu_seqlens_q int32 [num_seqs + 1]. A batch with
+    q, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
+    head_dim], num_kv_heads dividing num_heads (query head h reads K/V head
+    h // (num_heads // num_kv_heads)); block_tables int32 [num_seqs, max_blocks]; seq_lens
+    int32 [num_seqs] (keys after this step, context included); cu_seqlens_q int32
+    [num_seqs + 1]. A batch with
     max_seqlen_q == 1 takes the decode path (split-KV over `num_splits`, chosen by
     choose_num_splits when None); any other takes the tl.dot path, which ignores num_splits.
     `prefill` and `decode` override the launch heuristics (prefill_config and
@@ -334,6 +349,7 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
+    group_size = num_heads // k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     # The kernels' online softmax runs in base 2 (exp2 is one instruction): fold log2(e) in.
     qk_scale = scale * LOG2_E
@@ -351,7 +367,7 @@ def paged_attention(
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            GROUP_SIZE=group_size, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
         return out
     if num_tokens != num_seqs:
@@ -372,7 +388,7 @@ def paged_attention(
         q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, qk_scale, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, WRITE_PARTIAL=splits > 1,
-        num_warps=launch.num_warps,
+        GROUP_SIZE=group_size, num_warps=launch.num_warps,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
@@ -398,21 +414,24 @@ def paged_attention_ref(
     prefill: PrefillConfig | None = None,
     decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """The same contract, one sequence at a time in fp32 plain torch."""
-    block_size = k_cache.shape[1]
+    """The same contract, one sequence at a time in fp32 plain torch. Query heads are
+    grouped by the K/V head they read: q [T, H, D] as [T, H_kv, G, D]."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
     for s in range(seq_lens.shape[0]):
         q_start, q_end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         seq_len = int(seq_lens[s])
         context = seq_len - (q_end - q_start)
         positions = torch.arange(seq_len, device=q.device)
         blocks = block_tables[s, positions // block_size].long()
-        keys = k_cache[blocks, positions % block_size].float()  # [seq_len, H, D]
+        keys = k_cache[blocks, positions % block_size].float()  # [seq_len, H_kv, D]
         values = v_cache[blocks, positions % block_size].float()
-        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys) * scale
+        query = q[q_start:q_end].float().reshape(-1, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", query, keys) * scale
         query_pos = context + torch.arange(q_end - q_start, device=q.device)
-        scores = scores.masked_fill(
-            positions[None, None, :] > query_pos[None, :, None], float("-inf")
-        )
+        scores = scores.masked_fill(positions > query_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+        attended = torch.einsum("hgqk,khd->qhgd", probs, values)  # [q_len, H_kv, G, D]
+        out[q_start:q_end] = attended.reshape(-1, num_heads, head_dim).to(out.dtype)
     return out

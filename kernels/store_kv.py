@@ -58,7 +58,8 @@ def store_kv(
 
     key, value: [num_tokens, num_heads, head_dim], any token/head strides, last dim contiguous
     (views of the fused c_attn output). k_cache, v_cache: [num_blocks, block_size, num_heads,
-    head_dim] with identical strides. slot_mapping: int64 [num_tokens].
+    head_dim] with identical strides. slot_mapping: int64 [num_tokens]. num_heads counts K/V
+    heads (one with multi-query attention), whatever the number of query heads.
     """
     num_tokens, num_heads, head_dim = key.shape
     if value.shape != key.shape:

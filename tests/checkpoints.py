@@ -41,21 +41,36 @@ def make_checkpoint(folder: Path, spec: TinySpec) -> str:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(spec.seed)
-    config = GPT2Config(
-        vocab_size=spec.vocab_size,
-        n_positions=spec.n_positions,
-        n_embd=spec.n_embd,
-        n_layer=spec.n_layer,
-        n_head=spec.n_head,
-        n_inner=spec.n_inner,
-        layer_norm_epsilon=spec.layer_norm_epsilon,
-        initializer_range=spec.initializer_range,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    GPT2LMHeadModel(config).save_pretrained(folder)
+    GPT2LMHeadModel(GPT2Config(**_config_fields(spec))).save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tokenizer_json(spec.vocab_size))
     return str(folder)
+
+
+def make_gpt_bigcode_checkpoint(folder: Path, spec: TinySpec, multi_query: bool) -> str:
+    """make_checkpoint's files for a GPTBigCodeForCausalLM of `spec`'s shape."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    torch.manual_seed(spec.seed)
+    config = GPTBigCodeConfig(**_config_fields(spec), multi_query=multi_query)
+    GPTBigCodeForCausalLM(config).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(tokenizer_json(spec.vocab_size))
+    return str(folder)
+
+
+def _config_fields(spec: TinySpec) -> dict:
+    """The HF config keyword arguments of `spec`, BOS and EOS inside its small vocabulary."""
+    return {
+        "vocab_size": spec.vocab_size,
+        "n_positions": spec.n_positions,
+        "n_embd": spec.n_embd,
+        "n_layer": spec.n_layer,
+        "n_head": spec.n_head,
+        "n_inner": spec.n_inner,
+        "layer_norm_epsilon": spec.layer_norm_epsilon,
+        "initializer_range": spec.initializer_range,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
 
 
 def sample_prompts(

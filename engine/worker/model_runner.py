@@ -110,7 +110,8 @@ class StepFuture:
 class ModelRunner:
     """Owns the model and the KV cache tensor; executes one scheduled step at a time.
 
-    kv_cache is [num_layers, 2, num_blocks, block_size, num_heads, head_dim]; block 0 (the
+    kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (the model's
+    K/V heads, fewer than its query heads with multi-query attention); block 0 (the
     null block) is zeroed and never written, so padded reads see zeros, not garbage. Inputs
     come from the persistent `InputBatch`; on CUDA each kind of input crosses to the device
     in one non-blocking copy from pinned memory.
@@ -138,7 +139,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, device, grammars)
         # torch.empty: untouched blocks cost no memory; every read slot is written first.
         self.kv_cache = torch.empty(
-            (config.n_layer, 2, num_blocks, block_size, config.n_head, config.head_dim),
+            (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
             dtype=dtype,
             device=device,
         )
@@ -154,7 +155,8 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_config.n_layer * block_size * model_config.n_embd * element
+        kv_width = model_config.num_kv_heads * model_config.head_dim
+        return 2 * model_config.n_layer * block_size * kv_width * element
 
     def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Captures decode steps of up to max_batch_size sequences (CUDA + triton only)."""
@@ -320,7 +322,7 @@ def profile_activation_bytes(
         tables.append(list(range(next_block, next_block + count)))
         next_block += count
     cache = torch.zeros(
-        (config.n_layer, 2, next_block, block_size, config.n_head, config.head_dim),
+        (config.n_layer, 2, next_block, block_size, config.num_kv_heads, config.head_dim),
         dtype=model.wte.weight.dtype,
         device=device,
     )

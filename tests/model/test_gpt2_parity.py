@@ -29,7 +29,7 @@ def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -
     physical = list(range(1, num_blocks + 1))
     random.Random(0).shuffle(physical)
     cache = torch.full(
-        (config.n_layer, 2, num_blocks + 1, block_size, config.n_head, config.head_dim),
+        (config.n_layer, 2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim),
         float("nan"),
     )
     cache[:, :, 0] = 0

@@ -57,6 +57,11 @@ class TorchAttentionBackend(AttentionBackend):
     decodes of a step when their padded keys are small (tiny models, short contexts), where
     per-sequence Python would cost more than the padding.
 
+    Grouped queries (fewer K/V heads than query heads, multi-query attention) never copy K/V
+    per query head: the G query heads that share a K/V head become G query rows of that head
+    (a decode's [H, D] query is a [H_kv, G, D] batch of G rows; a prefill's rows are
+    (position, group) pairs, each position's mask row repeated G times).
+
     A prefill without context attends to its own fresh keys with a causal mask; one with
     context (a later chunk, a recompute) gathers its keys from the cache and masks in
     absolute positions.
@@ -121,8 +126,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata), "call prepare() first"
         num_heads, head_dim = q.shape[1], q.shape[2]
-        k_flat = kv_cache[0].view(-1, num_heads, head_dim)  # [num_slots, H, D]
-        v_flat = kv_cache[1].view(-1, num_heads, head_dim)
+        num_kv_heads = kv_cache.shape[-2]
+        group = num_heads // num_kv_heads
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_new, v_new = k, v
         if metadata.store_rows is not None:
             k_new, v_new = k[metadata.store_rows], v[metadata.store_rows]
@@ -131,19 +138,19 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if metadata.num_decodes:
             num = metadata.num_decodes
-            if self._batch_decodes(metadata, num_heads * head_dim):
+            if self._batch_decodes(metadata, num_kv_heads * head_dim):
                 assert metadata.decode_key_slots is not None and metadata.decode_mask is not None
                 slots = metadata.decode_key_slots.flatten()
                 width = metadata.decode_width
-                query = q[:num, :, None, :]  # [D, H, 1, hd]
-                keys = k_flat.index_select(0, slots).view(num, width, num_heads, head_dim)
-                values = v_flat.index_select(0, slots).view(num, width, num_heads, head_dim)
-                mask = metadata.decode_mask[:, None, None, :]  # [D, 1, 1, L]
+                query = q[:num].view(num, num_kv_heads, group, head_dim)  # [N, H_kv, G, D]
+                keys = k_flat.index_select(0, slots).view(num, width, num_kv_heads, head_dim)
+                values = v_flat.index_select(0, slots).view(num, width, num_kv_heads, head_dim)
+                mask = metadata.decode_mask[:, None, None, :]  # [N, 1, 1, L]
                 o = F.scaled_dot_product_attention(
                     query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                     scale=scale,
                 )  # fmt: skip
-                out[:num] = o[:, :, 0, :]
+                out[:num].view(num, num_kv_heads, group, head_dim).copy_(o)
             else:
                 assert metadata.decode_slices is not None
                 self._attend(q, k, v, k_flat, v_flat, metadata.decode_slices, out, scale)
@@ -187,6 +194,10 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> None:
         """One SDPA call per sequence, each writing its rows of `out`."""
+        group = q.shape[1] // k_flat.shape[1]
+        if group > 1:
+            _attend_grouped(q, k, v, k_flat, v_flat, sequences, out, scale, group)
+            return
         for s in sequences:
             query = q[s.start : s.end].transpose(0, 1)  # [H, q_len, D]
             if s.key_slots is None:
@@ -200,3 +211,40 @@ class TorchAttentionBackend(AttentionBackend):
                     query, keys, values, attn_mask=s.mask, scale=scale
                 )
             out[s.start : s.end] = o.transpose(0, 1)
+
+
+def _attend_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    sequences: list[SequenceSlice],
+    out: torch.Tensor,
+    scale: float,
+    group: int,
+) -> None:
+    """`_attend` with `group` query heads per K/V head: a sequence's q_len x G queries of
+    one K/V head are one [q_len * G, D] block (row = position * G + group member), so K/V
+    are read once per K/V head; each position's mask row is repeated for its G rows."""
+    num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+    for s in sequences:
+        q_len = s.end - s.start
+        # [q_len, H, D] -> [H_kv, q_len * G, D] (a copy of the queries only)
+        query = q[s.start : s.end].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1)
+        query = query.reshape(num_kv_heads, q_len * group, head_dim)
+        mask = s.mask
+        if s.key_slots is None:
+            keys = k[s.start : s.end].transpose(0, 1)  # [H_kv, q_len, D]
+            values = v[s.start : s.end].transpose(0, 1)
+            positions = torch.arange(q_len, device=q.device)
+            mask = positions[None, :] <= positions[:, None]  # causal [q_len, q_len]
+        else:
+            keys = k_flat.index_select(0, s.key_slots).transpose(0, 1)  # [H_kv, seq_len, D]
+            values = v_flat.index_select(0, s.key_slots).transpose(0, 1)
+        if mask is not None:
+            mask = mask.repeat_interleave(group, dim=0)  # [q_len * G, keys]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+        # [H_kv, q_len * G, D] -> this sequence's rows of out, [q_len, H, D]
+        rows = out[s.start : s.end].view(q_len, num_kv_heads, group, head_dim)
+        rows.copy_(o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1))

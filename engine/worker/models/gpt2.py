@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,9 @@ class GPT2Config:
     multiply up to summation order. As in HF, the probabilities meet V in V's dtype.
     """
 
+    # config.json's model_type this class reads (the registry's key).
+    model_type: ClassVar[str] = "gpt2"
+
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
@@ -107,13 +110,28 @@ class GPT2Config:
     @property
     def flops_per_token(self) -> int:
         """Multiply-adds x 2 of one decode token's matrix products (attention over the
-        context excluded): 12 n_embd^2 per layer (QKV, out, 4x MLP) plus the LM head."""
-        per_layer = 4 * self.n_embd * self.n_embd + 2 * self.n_embd * self.inner_dim
+        context excluded): QKV, out and MLP per layer (12 n_embd^2 for GPT-2's 3 n_embd QKV
+        and 4x MLP) plus the LM head."""
+        per_layer = (
+            self.n_embd * self.qkv_width + self.n_embd * self.n_embd
+            + 2 * self.n_embd * self.inner_dim
+        )  # fmt: skip
         return 2 * (self.n_layer * per_layer + self.vocab_size * self.n_embd)
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def num_kv_heads(self) -> int:
+        """K/V heads per layer (the KV cache's head dimension): one per query head."""
+        return self.n_head
+
+    @property
+    def qkv_width(self) -> int:
+        """Output width of the fused c_attn: the queries, then keys and values of every K/V
+        head."""
+        return self.n_embd + 2 * self.num_kv_heads * self.head_dim
 
     @property
     def inner_dim(self) -> int:
@@ -131,8 +149,8 @@ class GPT2Config:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> GPT2Config:
         """Builds a config from config.json, refusing flags this model would silently ignore."""
         model_type = cfg.get("model_type", "gpt2")
-        if model_type != "gpt2":
-            raise ValueError(f"config.json: model_type {model_type!r} is not supported (gpt2 only)")
+        if model_type != cls.model_type:
+            raise ValueError(f"config.json: model_type {model_type!r} is not {cls.model_type!r}")
         if cfg.get("add_cross_attention", False):
             raise ValueError(
                 f"config.json: add_cross_attention={cfg['add_cross_attention']!r} is not supported"
@@ -141,46 +159,60 @@ class GPT2Config:
         if n_embd % n_head:
             raise ValueError(f"config.json: n_embd={n_embd} is not divisible by n_head={n_head}")
         try:
-            return cls(
-                vocab_size=cfg.get("vocab_size", 50257),
-                n_positions=cfg.get("n_positions", 1024),
-                n_embd=n_embd,
-                n_layer=cfg.get("n_layer", 12),
-                n_head=n_head,
-                n_inner=cfg.get("n_inner"),
-                layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-                tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_id=cfg.get("eos_token_id"),
-                activation_function=cfg.get("activation_function", "gelu_new"),
-                scale_attn_weights=bool(cfg.get("scale_attn_weights", True)),
-                scale_attn_by_inverse_layer_idx=bool(
-                    cfg.get("scale_attn_by_inverse_layer_idx", False)
-                ),
-            )
+            return cls(**cls._hf_fields(cfg))
         except ValueError as exc:
             raise ValueError(f"config.json: {exc}") from exc
 
+    @classmethod
+    def _hf_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """This class's fields from config.json, with HF's defaults for absent keys."""
+        return {
+            "vocab_size": cfg.get("vocab_size", 50257),
+            "n_positions": cfg.get("n_positions", 1024),
+            "n_embd": cfg.get("n_embd", 768),
+            "n_layer": cfg.get("n_layer", 12),
+            "n_head": cfg.get("n_head", 12),
+            "n_inner": cfg.get("n_inner"),
+            "layer_norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+            "bos_token_id": cfg.get("bos_token_id"),
+            "eos_token_id": cfg.get("eos_token_id"),
+            "activation_function": cfg.get("activation_function", cls.activation_function),
+            "scale_attn_weights": bool(cfg.get("scale_attn_weights", True)),
+            "scale_attn_by_inverse_layer_idx": bool(
+                cfg.get("scale_attn_by_inverse_layer_idx", False)
+            ),
+        }
+
 
 class GPT2Attention(nn.Module):
+    """Causal self-attention through the paged cache; `split_qkv` reads the fused c_attn's
+    layout, which subclasses (other checkpoints' layouts) override."""
+
     def __init__(self, config: GPT2Config, layer: int, backend: AttentionBackend):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.scale = config.attention_scale(layer)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, config.qkv_width)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.backend = backend
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """c_attn's output [T, qkv_width] as strided views q [T, H, D] and k, v [T, H_kv, D]
+        (the backend stores K/V from them directly). GPT-2's is [q | k | v], C wide each."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.n_head * self.head_dim, dim=-1)
+        q = q.view(num_tokens, self.n_head, self.head_dim)
+        k = k.view(num_tokens, self.n_head, self.head_dim)
+        v = v.view(num_tokens, self.n_head, self.head_dim)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens, width = x.shape
-        # [T, 3C] -> three strided [T, H, D] views; the backend stores K/V from them directly.
-        q, k, v = self.c_attn(x).split(width, dim=-1)
-        q = q.view(num_tokens, self.n_head, self.head_dim)
-        k = k.view(num_tokens, self.n_head, self.head_dim)
-        v = v.view(num_tokens, self.n_head, self.head_dim)
+        q, k, v = self.split_qkv(self.c_attn(x))
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, H, D]
         return self.c_proj(out.reshape(num_tokens, width))
 
@@ -197,10 +229,16 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: GPT2Config, layer: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: GPT2Config,
+        layer: int,
+        backend: AttentionBackend,
+        attention: type[GPT2Attention] = GPT2Attention,
+    ):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer, backend)
+        self.attn = attention(config, layer, backend)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config)
 
@@ -214,17 +252,27 @@ class GPT2Block(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     """GPT-2 on a flat batch of tokens from many sequences.
 
-    forward(input_ids [T], positions [T], kv_cache [L, 2, num_blocks, block_size, H, D],
+    forward(input_ids [T], positions [T], kv_cache [L, 2, num_blocks, block_size, H_kv, D],
     metadata) -> hidden states [T, C]; compute_logits(hidden [S, C]) -> [S, vocab] float32, to
-    be called only on the rows that sample.
+    be called only on the rows that sample. H_kv is config.num_kv_heads.
     """
+
+    config_class: ClassVar[type[GPT2Config]] = GPT2Config
+    attention_class: ClassVar[type[GPT2Attention]] = GPT2Attention
+    # Checkpoint weights stored as HF's Conv1D ([in, out], nn.Linear's transpose): the
+    # loader transposes them.
+    conv1d_weights: ClassVar[tuple[str, ...]] = (
+        "attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight",
+    )  # fmt: skip
 
     def __init__(self, config: GPT2Config, backend: AttentionBackend):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.n_layer))
+        self.h = nn.ModuleList(
+            GPT2Block(config, i, backend, self.attention_class) for i in range(config.n_layer)
+        )
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -1,4 +1,5 @@
-"""Finds a model (folder or hub id), builds GPT-2 and fills its weights (safetensors or dummy)."""
+"""Finds a model (folder or hub id), builds its architecture (registry, by model_type) and
+fills its weights (safetensors or dummy)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from safetensors.torch import load_file
 
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from octavo.engine.worker.models.gpt_bigcode import GPTBigCodeConfig
+from octavo.engine.worker.models.registry import config_from_hf_dict, model_class
 
-# Shapes of the released GPT-2 sizes, for load_format="dummy" without a config.json.
-DUMMY_PRESETS = {
+# Shapes of the released GPT-2 sizes, for load_format="dummy" without a config.json; and
+# transformers' default GPTBigCodeConfig: GPT-2 small's shape with multi-query attention.
+DUMMY_PRESETS: dict[str, GPT2Config] = {
     "gpt2": GPT2Config(n_layer=12, n_embd=768, n_head=12),
     "gpt2-medium": GPT2Config(n_layer=24, n_embd=1024, n_head=16),
     "gpt2-large": GPT2Config(n_layer=36, n_embd=1280, n_head=20),
     "gpt2-xl": GPT2Config(n_layer=48, n_embd=1600, n_head=25),
+    "gpt_bigcode": GPTBigCodeConfig(n_layer=12, n_embd=768, n_head=12, multi_query=True),
 }
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
 DUMMY_INIT_STD = 0.02
@@ -35,8 +40,6 @@ _HUB_FILES = [
 ]
 # Checkpoint entries that are buffers of older transformers versions, not weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-# HF GPT-2 stores these as Conv1D: weight [in, out], the transpose of nn.Linear's.
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 @dataclass
@@ -82,7 +85,7 @@ def load_model(
     config = replace(config, eos_token_id=eos)
 
     with torch.device("meta"):
-        net = GPT2LMHeadModel(config, backend)
+        net = model_class(config)(config, backend)
     net = net.to_empty(device=device)
     if load_format == "dummy":
         _init_dummy(net, seed)
@@ -105,7 +108,7 @@ def _model_config(model: str, load_format: str) -> tuple[Path | None, GPT2Config
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"model folder {path} has no config.json")
-    return path, GPT2Config.from_hf_dict(json.loads(config_file.read_text()))
+    return path, config_from_hf_dict(json.loads(config_file.read_text()))
 
 
 def load_model_config(model: str, load_format: str) -> GPT2Config:
@@ -157,13 +160,13 @@ def _load_safetensors(net: GPT2LMHeadModel, path: Path, config: GPT2Config) -> N
     missing = sorted(k for k in params if k not in checkpoint)
     if unexpected or missing:
         raise ValueError(
-            f"{path}: checkpoint does not match GPT-2: missing {missing[:8]}, "
+            f"{path}: checkpoint does not match {config.model_type}: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}"
         )
     with torch.no_grad():
         for name, param in params.items():
             tensor = checkpoint[name]
-            if name.endswith(_CONV1D):
+            if name.endswith(net.conv1d_weights):
                 tensor = tensor.t()
             if tensor.shape != param.shape:
                 raise ValueError(
