@@ -39,7 +39,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 import msgspec
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.common import git_commit
+from octavo.benchmarks.common import git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.core_process import CoreAddresses, connect_core_sockets
@@ -240,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": runs,
     }
-    if args.result_file is not None:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.result_file, result)
     return 0
 
 

@@ -66,19 +66,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import json
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -91,21 +86,13 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
-from octavo.benchmarks.common import (  # noqa: E402
-    PAD_TOKEN_ID,
-    add_model_arguments,
-    load_hf_model,
-    machine_info,
-    resolve_model_arguments,
-    synchronize,
-    write_checkpoint,
-)
+from octavo.benchmarks import common
+from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult, safe_div
 from octavo.engine import LLM, BeamSearchParams
 from octavo.engine.config import DTYPES
 from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.worker.model_runner import ModelRunner
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 WARMUP_REQUESTS = 4
 WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 4
@@ -115,6 +102,8 @@ COPY_GOAL = 50.0  # octavo bytes copied per step <= hf's / 50 ...
 COPY_GOAL_PROMPT_LEN = 512  # ... at this prompt length
 MIB = 1024 * 1024
 NOISY_CPU_FRACTION = 0.85  # a CPU run using less than this share of its threads is noisy
+# The beam search both systems run, besides the width and the length.
+BEAM_SETTINGS = {"num_return_sequences": 1, "length_penalty": 1.0, "early_stopping": False}
 
 
 @dataclass(frozen=True)
@@ -142,12 +131,9 @@ class Config:
 
 
 @dataclass
-class SystemResult:
+class BeamResult(SystemResult):
     """One system's timing and KV metrics on one configuration."""
 
-    name: str
-    wall_s: float | None = None  # median over the timed repeats
-    wall_s_runs: list[float] = field(default_factory=list)
     # Noise indicators per run: this process's CPU seconds / wall seconds (about the torch
     # thread count when the machine is otherwise idle, far lower when other work competes for
     # the cores) and the 1-minute load average when the run started.
@@ -160,14 +146,6 @@ class SystemResult:
     kv_bytes_copied_per_step: float | None = None  # per generation step (max_tokens of them)
     peak_kv_bytes: int | None = None
     extra: dict = field(default_factory=dict)
-    error: str | None = None
-    notes: str = ""
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        del data["outputs"]
-        return data
 
 
 # -- setup ----------------------------------------------------------------------------------
@@ -175,8 +153,6 @@ class SystemResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8], help="beam widths")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512])
     p.add_argument("--num-requests", type=int, default=16, help="beam requests per config")
@@ -187,18 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=16,
         help="HF runs the requests in batches of this many (default: all at once)",
     )
-    add_model_arguments(p, "beam_bench")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
+    common.add_model_arguments(p, "beam_bench")
     p.add_argument("--block-size", type=int, default=16, help="Octavo's KV block size")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="Octavo's KV cache size")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="timed runs per system and config; the median is reported",
-    )
+    common.add_engine_arguments(p, repeats=1)
     p.add_argument(
         "--noisy-retries",
         type=int,
@@ -212,35 +179,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="leading requests per config whose best beams are compared with HF",
     )
     p.add_argument("--skip-hf", action="store_true")
-    return resolve_model_arguments(p.parse_args(argv), "beam_bench")
+    return common.resolve_model_arguments(p.parse_args(argv), "beam_bench")
 
 
 def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Random token ids (never the last id, the dummy EOS); the same for every beam width."""
     rng = random.Random(seed * 1_000_003 + prompt_len)
-    return [[rng.randrange(vocab_size - 1) for _ in range(prompt_len)] for _ in range(num_requests)]
-
-
-def code_version() -> dict:
-    """The checkout benchmarked: HEAD and whether engine/ or kernels/ differ from it."""
-
-    def git(*cmd: str) -> str | None:
-        try:
-            return subprocess.run(
-                ["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    status = git("status", "--porcelain", "--", "engine", "kernels")
-    return {
-        "git_commit": git("rev-parse", "HEAD"),
-        "engine_modified": None if status is None else bool(status),
-    }
+    return [common.random_tokens(rng, prompt_len, vocab_size - 1) for _ in range(num_requests)]
 
 
 def timed(
-    result: SystemResult, fn: Callable[[], list[list[int]]], args: argparse.Namespace
+    result: BeamResult, fn: Callable[[], list[list[int]]], args: argparse.Namespace
 ) -> list[list[int]]:
     """Runs fn until `args.repeats` runs count and sets result.wall_s to their median wall
     time; returns the last run's outputs. Every run is kept with its noise indicators. On CPU
@@ -251,11 +200,8 @@ def timed(
     retries_left, counted, counted_noisy, outputs = args.noisy_retries, [], False, []
     while len(counted) < args.repeats:
         result.load_avg_1m_runs.append(os.getloadavg()[0])
-        synchronize(args.device)
-        cpu_start, start = time.process_time(), time.perf_counter()
-        outputs = fn()
-        synchronize(args.device)
-        wall = time.perf_counter() - start
+        cpu_start = time.process_time()
+        wall, outputs = common.timed(fn, args.device)
         utilization = (time.process_time() - cpu_start) / wall
         noisy = args.device == "cpu" and utilization < NOISY_CPU_FRACTION * threads
         result.wall_s_runs.append(wall)
@@ -277,7 +223,7 @@ def timed(
     return outputs
 
 
-def finish_timing(result: SystemResult, outputs: list[list[int]], cfg: Config) -> None:
+def finish_timing(result: BeamResult, outputs: list[list[int]], cfg: Config) -> None:
     result.outputs = outputs
     result.output_tokens_per_s = cfg.output_tokens / result.wall_s
     result.beam_tokens_per_s = cfg.beam_tokens / result.wall_s
@@ -314,12 +260,7 @@ class StepRecorder:
 
 def run_octavo(llm: LLM, prompts: list[list[int]], width: int, max_tokens: int) -> list[list[int]]:
     params = BeamSearchParams(
-        beam_width=width,
-        max_tokens=max_tokens,
-        num_return_sequences=1,
-        length_penalty=1.0,
-        early_stopping=False,
-        ignore_eos=True,
+        beam_width=width, max_tokens=max_tokens, ignore_eos=True, **BEAM_SETTINGS
     )
     outs = llm.beam_search(prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -331,8 +272,8 @@ def bench_octavo(
     recorder: StepRecorder,
     cfg: Config,
     prompts: list[list[int]],
-) -> SystemResult:
-    result = SystemResult(
+) -> BeamResult:
+    result = BeamResult(
         "octavo",
         notes=(
             f"LLM.beam_search, all {cfg.num_requests} requests at once; block_size="
@@ -411,10 +352,8 @@ def run_hf(
                 num_beams=width,
                 max_new_tokens=max_tokens,
                 do_sample=False,
-                early_stopping=False,
-                length_penalty=1.0,
-                num_return_sequences=1,
                 eos_token_id=None,
+                **BEAM_SETTINGS,
                 pad_token_id=PAD_TOKEN_ID,
             )
         outputs.extend(generated[:, width_tokens:].tolist())
@@ -439,9 +378,9 @@ def hf_peak_kv_bytes(cfg: Config, batch_size: int, n_layer: int, n_embd: int, el
 
 def bench_hf(
     args: argparse.Namespace, model: GPT2LMHeadModel, cfg: Config, prompts: list[list[int]]
-) -> SystemResult:
+) -> BeamResult:
     batch = min(args.hf_batch_size, cfg.num_requests)
-    result = SystemResult(
+    result = BeamResult(
         "hf",
         notes=(
             f"model.generate(num_beams={cfg.width}) on batches of {batch} (equal-length prompts, "
@@ -473,14 +412,10 @@ def bench_hf(
 # -- driver and reporting -------------------------------------------------------------------
 
 
-def guarded(label: str, fn: Callable[[], SystemResult], name: str) -> SystemResult:
-    """Runs one system; an exception becomes an error entry instead of ending the benchmark."""
-    print(f"[beam_bench] {label}: running {name} ...", flush=True)
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - a failure is a result, not a crash
-        traceback.print_exc()
-        return SystemResult(name, error=f"{type(exc).__name__}: {exc}")
+def guarded(label: str, fn: Callable[[], BeamResult], name: str) -> BeamResult:
+    result = common.guarded(f"[beam_bench] {label}", name, fn, BeamResult)
+    if result.error is not None:
+        return result
     runs = ", ".join(
         f"{w:.2f} s cpu {u:.2f}{' noisy' if n else ''}"
         for w, u, n in zip(
@@ -495,16 +430,11 @@ def guarded(label: str, fn: Callable[[], SystemResult], name: str) -> SystemResu
     return result
 
 
-def beam_match(octavo: SystemResult, hf: SystemResult, count: int) -> dict:
+def beam_match(octavo: BeamResult, hf: BeamResult, count: int) -> dict:
     n = min(count, len(octavo.outputs), len(hf.outputs))
-    first_diff = []
-    for a, b in zip(octavo.outputs[:n], hf.outputs[:n], strict=True):
-        first_diff.append(
-            next(
-                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)),
-            )
-        )
+    first_diff = [
+        common.first_mismatch(a, b) for a, b in zip(octavo.outputs[:n], hf.outputs[:n], strict=True)
+    ]
     return {
         "compared": n,
         "matched": sum(d is None for d in first_diff),
@@ -512,13 +442,7 @@ def beam_match(octavo: SystemResult, hf: SystemResult, count: int) -> dict:
     }
 
 
-def safe_div(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def compare(cfg: Config, octavo: SystemResult, hf: SystemResult | None, match_check: int) -> dict:
+def compare(cfg: Config, octavo: BeamResult, hf: BeamResult | None, match_check: int) -> dict:
     entry: dict = {"octavo": octavo.to_json()}
     if hf is None:
         return entry
@@ -635,24 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     entries: dict[str, dict] = {}
     grid_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="octavo_beam_bench_") as tmp:
-        folder = Path(tmp)
-        write_checkpoint(folder, args)
-        llm = LLM(
-            model=str(folder),
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_gb=args.kv_cache_gb,
-            seed=args.seed,
-        )
+    with common.dummy_checkpoint(args) as folder:
+        llm = common.make_llm(folder, args, block_size=args.block_size)
         recorder = StepRecorder(llm)
         run_octavo(llm, warmup, WARMUP_WIDTH, WARMUP_OUTPUT_LEN)
         hf_model = None
         if not args.skip_hf:
-            hf_model = load_hf_model(folder, args.device, DTYPES[args.dtype])
+            hf_model = common.load_hf_model(folder, args.device, DTYPES[args.dtype])
             run_hf(
                 hf_model, warmup, WARMUP_WIDTH, WARMUP_OUTPUT_LEN, args.hf_batch_size, args.device
             )
@@ -673,26 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     grid_s = time.perf_counter() - grid_start
 
     report = {
-        "benchmark": "beam_bench",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(args.device),
-        "code": code_version(),
-        "model": {
-            "n_layer": args.layers,
-            "n_embd": args.hidden,
-            "n_head": args.heads,
-            "vocab_size": args.vocab,
-            "n_positions": args.n_positions,
-            "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})",
-        },
+        **common.result_header("beam_bench", args.device),
+        "model": common.model_info(args),
         "settings": {
             "widths": args.widths,
             "prompt_lens": args.prompt_lens,
             "num_requests": args.num_requests,
             "max_tokens": args.max_tokens,
-            "length_penalty": 1.0,
-            "early_stopping": False,
-            "num_return_sequences": 1,
+            **BEAM_SETTINGS,
             "eos": "ignored (octavo ignore_eos=True, hf eos_token_id=None)",
             "dtype": args.dtype,
             "seed": args.seed,
@@ -738,9 +639,8 @@ def main(argv: list[str] | None = None) -> int:
             f"goal KV copy <= 1/{COPY_GOAL:g} of hf at prompt {COPY_GOAL_PROMPT_LEN}: "
             f"{'not evaluated' if met is None else 'met' if met else 'NOT met'}"
         )
-    args.result_file.parent.mkdir(parents=True, exist_ok=True)
-    args.result_file.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"grid took {grid_s:.0f} s; wrote {args.result_file}")
+    print(f"grid took {grid_s:.0f} s")
+    common.write_result(args.result_file, report)
     return 0
 
 

@@ -39,17 +39,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import json
 import math
 import random
 import statistics
 import sys
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,15 +58,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadM
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from octavo.benchmarks.common import (  # noqa: E402
-    PAD_TOKEN_ID,
-    add_model_arguments,
-    load_hf_model,
-    machine_info,
-    resolve_model_arguments,
-    synchronize,
-    write_checkpoint,
-)
+from octavo.benchmarks import common
+from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES
 
@@ -102,23 +90,12 @@ class Workload:
 
 
 @dataclass
-class SystemResult:
-    """One system's timing on the workload; `outputs` holds its generated ids per request."""
+class ThroughputResult(SystemResult):
+    """One system's timing on the workload, in useful output tokens."""
 
-    name: str
-    wall_s: float | None = None  # median over the timed repeats
-    wall_s_runs: list[float] = field(default_factory=list)
     useful_output_tokens: int = 0
     useful_output_tokens_per_s: float | None = None
     total_tokens_processed: int = 0
-    error: str | None = None
-    notes: str = ""
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        del data["outputs"]
-        return data
 
 
 # -- setup ----------------------------------------------------------------------------------
@@ -126,33 +103,12 @@ class SystemResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     p.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
-    add_model_arguments(p, "offline_throughput")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="Octavo and HF CB batch cap")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="per-step token budget of Octavo and HF CB",
-    )
-    p.add_argument(
-        "--kv-cache-gb",
-        type=float,
-        default=2.0,
-        help="Octavo's KV cache size (HF CB's cache is sized to the workload)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        help="timed runs per system; the median is reported (all are kept)",
-    )
+    common.add_model_arguments(p, "offline_throughput")
+    common.add_engine_arguments(p, repeats=3)
     p.add_argument(
         "--greedy-check",
         type=int,
@@ -167,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
-    return resolve_model_arguments(p.parse_args(argv), "offline_throughput")
+    return common.resolve_model_arguments(p.parse_args(argv), "offline_throughput")
 
 
 def make_workload(
@@ -180,8 +136,7 @@ def make_workload(
     rng = random.Random(seed)
     prompts, output_lens = [], []
     for _ in range(num_requests):
-        n = rng.randint(*prompt_len)
-        prompts.append([rng.randrange(vocab_size) for _ in range(n)])
+        prompts.append(common.random_tokens(rng, rng.randint(*prompt_len), vocab_size))
         output_lens.append(rng.randint(*output_len))
     return Workload(prompts, output_lens)
 
@@ -294,21 +249,18 @@ def timed(
     """Runs fn(repeat_index) `repeats` times; returns every wall time and the last outputs."""
     walls, outputs = [], []
     for i in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        outputs = fn(i)
-        synchronize(device)
-        walls.append(time.perf_counter() - start)
+        wall, outputs = common.timed(lambda i=i: fn(i), device)
+        walls.append(wall)
     return walls, outputs
 
 
 def finish(
-    result: SystemResult,
+    result: ThroughputResult,
     walls: list[float],
     outputs: list[list[int]],
     workload: Workload,
     tokens_processed: int,
-) -> SystemResult:
+) -> ThroughputResult:
     got = [len(o) for o in outputs]
     if got != workload.output_lens:
         bad = sum(g != w for g, w in zip(got, workload.output_lens, strict=True))
@@ -322,8 +274,8 @@ def finish(
     return result
 
 
-def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> SystemResult:
-    result = SystemResult(
+def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> ThroughputResult:
+    result = ThroughputResult(
         "octavo",
         notes=(
             "LLM.generate with all requests at once, per-request max_tokens, ignore_eos=True; "
@@ -331,16 +283,7 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
             f"{args.max_num_batched_tokens}, kv_cache_gb={args.kv_cache_gb}, "
         ),
     )
-    llm = LLM(
-        model=str(folder),
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_gb=args.kv_cache_gb,
-        seed=args.seed,
-        async_scheduling=args.async_scheduling,
-    )
+    llm = common.make_llm(folder, args, async_scheduling=args.async_scheduling)
     result.notes += f"async_scheduling={llm.engine.config.schedules_ahead}."
     run_octavo(llm, warmup_workload(workload))
     walls, outputs = timed(lambda _: run_octavo(llm, workload), args.device, args.repeats)
@@ -351,8 +294,8 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
 
 def bench_hf_static(
     args: argparse.Namespace, model: GPT2LMHeadModel, workload: Workload
-) -> SystemResult:
-    result = SystemResult(
+) -> ThroughputResult:
+    result = ThroughputResult(
         "hf_static",
         notes=(
             f"model.generate on static batches of {args.batch_size} in request order, left padded "
@@ -374,9 +317,9 @@ def bench_hf_static(
 
 def bench_hf_cb(
     args: argparse.Namespace, model: GPT2LMHeadModel, workload: Workload
-) -> SystemResult:
+) -> ThroughputResult:
     cb_config = hf_cb_config(args, workload)
-    result = SystemResult(
+    result = ThroughputResult(
         "hf_cb",
         notes=(
             "transformers continuous batching (the ContinuousBatchingManager behind "
@@ -414,42 +357,30 @@ def bench_hf_cb(
     return finish(result, walls, outputs, workload, workload.prompt_tokens + workload.output_tokens)
 
 
-def guarded(name: str, fn: Callable[[], SystemResult]) -> SystemResult:
-    """Runs one system; an exception becomes an error entry instead of ending the benchmark."""
-    print(f"[offline_throughput] running {name} ...", flush=True)
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a result, not a crash
-        traceback.print_exc()
-        return SystemResult(name, error=f"{type(exc).__name__}: {exc}")
-    runs = ", ".join(f"{w:.2f}" for w in result.wall_s_runs)
-    print(f"[offline_throughput] {name}: median {result.wall_s:.2f} s (runs: {runs})", flush=True)
+def guarded(name: str, fn: Callable[[], ThroughputResult]) -> ThroughputResult:
+    result = common.guarded("[offline_throughput]", name, fn, ThroughputResult)
+    if result.error is None:
+        runs = ", ".join(f"{w:.2f}" for w in result.wall_s_runs)
+        print(f"[offline_throughput] {name}: median {result.wall_s:.2f} s (runs: {runs})")
     return result
 
 
 def greedy_match(octavo: SystemResult, reference: SystemResult, count: int) -> dict:
     n = min(count, len(octavo.outputs), len(reference.outputs))
-    matches = [octavo.outputs[i] == reference.outputs[i] for i in range(n)]
-    first_diff = []
-    for i in range(n):
-        a, b = octavo.outputs[i], reference.outputs[i]
-        diff = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        first_diff.append(diff)
+    first_diff = [common.first_mismatch(octavo.outputs[i], reference.outputs[i]) for i in range(n)]
     return {
         "compared": n,
-        "matched": sum(matches),
+        "matched": sum(d is None for d in first_diff),
         "reference": reference.name,
         "first_mismatch_position": first_diff,
     }
 
 
-def ratio(a: SystemResult, b: SystemResult | None) -> float | None:
-    if b is None or a.useful_output_tokens_per_s is None or not b.useful_output_tokens_per_s:
-        return None
-    return a.useful_output_tokens_per_s / b.useful_output_tokens_per_s
+def ratio(a: ThroughputResult, b: ThroughputResult | None) -> float | None:
+    return common.safe_div(a.useful_output_tokens_per_s, b and b.useful_output_tokens_per_s)
 
 
-def print_table(results: list[SystemResult]) -> None:
+def print_table(results: list[ThroughputResult]) -> None:
     header = (
         f"{'system':<10} {'wall s':>9} {'useful tok':>11} {'useful tok/s':>13} {'processed':>10}"
     )
@@ -477,14 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()}",
         flush=True,
     )
-    results: dict[str, SystemResult] = {}
-    with tempfile.TemporaryDirectory(prefix="octavo_bench_") as tmp:
-        folder = Path(tmp)
-        write_checkpoint(folder, args)
+    results: dict[str, ThroughputResult] = {}
+    with common.dummy_checkpoint(args) as folder:
         results["octavo"] = guarded("octavo", lambda: bench_octavo(args, folder, workload))
         hf_model = None
         if not (args.skip_hf_static and args.skip_hf_cb):
-            hf_model = load_hf_model(folder, args.device, DTYPES[args.dtype])
+            hf_model = common.load_hf_model(folder, args.device, DTYPES[args.dtype])
         if not args.skip_hf_static:
             results["hf_static"] = guarded(
                 "hf_static", lambda: bench_hf_static(args, hf_model, workload)
@@ -494,17 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
     octavo = results["octavo"]
     report = {
-        "benchmark": "offline_throughput",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(args.device),
-        "model": {
-            "n_layer": args.layers,
-            "n_embd": args.hidden,
-            "n_head": args.heads,
-            "vocab_size": args.vocab,
-            "n_positions": args.n_positions,
-            "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})",
-        },
+        **common.result_header("offline_throughput", args.device),
+        "model": common.model_info(args),
         "workload": {
             "num_requests": workload.num_requests,
             "prompt_len_range": list(args.prompt_len),
@@ -546,9 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if "greedy_match" in report:
         m = report["greedy_match"]
         print(f"greedy match vs {m['reference']}: {m['matched']}/{m['compared']}")
-    args.result_file.parent.mkdir(parents=True, exist_ok=True)
-    args.result_file.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.result_file}")
+    common.write_result(args.result_file, report)
     return 0
 
 

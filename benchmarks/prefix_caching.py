@@ -24,12 +24,9 @@ The JSON result goes to --result-file (default benchmarks/results/prefix_caching
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,12 +36,8 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import (
-    add_model_arguments,
-    machine_info,
-    resolve_model_arguments,
-    write_checkpoint,
-)
+from octavo.benchmarks import common
+from octavo.benchmarks.common import random_tokens as tokens
 from octavo.engine import LLM, RequestOutput, SamplingParams
 
 WORKLOADS = ("shared", "multi_turn", "unique")
@@ -68,10 +61,7 @@ class Run:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    add_model_arguments(p, "prefix_caching")
-    p.add_argument("--seed", type=int, default=0)
+    common.add_model_arguments(p, "prefix_caching")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--shared-len", type=int, default=384)
@@ -79,14 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gb", type=float, default=2.0)
-    p.add_argument("--repeats", type=int, default=3)
-    return resolve_model_arguments(p.parse_args(argv), "prefix_caching")
-
-
-def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(n)]
+    common.add_engine_arguments(p, repeats=3)
+    return common.resolve_model_arguments(p.parse_args(argv), "prefix_caching")
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
@@ -153,22 +137,13 @@ def summarize(runs: list[Run]) -> dict:
     }
 
 
-def make_llm(folder: Path, args: argparse.Namespace, caching: bool) -> LLM:
-    return LLM(
-        model=str(folder),
-        device=args.device,
-        dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_gb=args.kv_cache_gb,
-        enable_prefix_caching=caching,
-        seed=args.seed,
-    )
-
-
 def bench(folder: Path, args: argparse.Namespace) -> dict[str, dict[str, dict]]:
     """{"on"/"off": {workload: summary}}; the two engines' runs alternate (this machine's
     speed drifts), each run of a pair on the same prompts."""
-    llms = {"off": make_llm(folder, args, False), "on": make_llm(folder, args, True)}
+    llms = {
+        "off": common.make_llm(folder, args, enable_prefix_caching=False),
+        "on": common.make_llm(folder, args, enable_prefix_caching=True),
+    }
     results: dict[str, dict[str, dict]] = {"on": {}, "off": {}}
     for workload in args.workloads:
         runs: dict[str, list[Run]] = {"on": [], "off": []}
@@ -197,27 +172,18 @@ def ratios(on: dict, off: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="octavo_bench_") as tmp:
-        folder = Path(tmp)
-        write_checkpoint(folder, args)
+    with common.dummy_checkpoint(args) as folder:
         results = bench(folder, args)
     on, off = results["on"], results["off"]
     compared = {w: ratios(on[w], off[w]) for w in args.workloads}
     report = {
-        "benchmark": "prefix_caching",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(args.device),
-        "model": {
-            "n_layer": args.layers,
-            "n_embd": args.hidden,
-            "n_head": args.heads,
-            "vocab_size": args.vocab,
-            "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})",
-        },
+        **common.result_header("prefix_caching", args.device),
+        "model": common.model_info(args),
         "workload": {
             k: getattr(args, k)
             for k in (
                 "num_requests",
+                "max_num_seqs",
                 "shared_len",
                 "unique_len",
                 "output_len",
@@ -249,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ttft_p99_off/on']:.2f}x, throughput {r['throughput_on/off']:.2f}x; hit rate "
             f"{on[workload]['hit_rate']:.2f}"
         )
-    args.result_file.parent.mkdir(parents=True, exist_ok=True)
-    args.result_file.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.result_file}")
+    common.write_result(args.result_file, report)
     return 0
 
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime as dt
 import gzip
-import json
 import pstats
 import statistics
 import sys
@@ -45,25 +43,10 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import (  # noqa: E402
-    GPT2_N_POSITIONS,
-    GPT2_PRESETS,
-    GPT2_VOCAB,
-    SMOKE_PRESET,
-    default_result_file,
-    machine_info,
-    write_checkpoint,
-)
-from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
-from octavo.engine import (  # noqa: E402
-    EngineConfig,
-    LLMEngine,
-    RequestOutputKind,
-    SamplingParams,
-)
-from octavo.engine.config import DTYPES  # noqa: E402
+from octavo.benchmarks import common
+from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth
+from octavo.engine import LLMEngine, RequestOutputKind, SamplingParams
 
-PRESETS = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 3, 1
 COPY_BYTES = 1 << 30
 STEP_ANNOTATION = "octavo_step"
@@ -83,9 +66,7 @@ PHASES = (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
-    p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
+    common.add_preset_arguments(p)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
@@ -96,9 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         help="schedule one step ahead or not (default: the engine's, on for CUDA)",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
-    p.add_argument("--result-file", type=Path, default=None)
     p.add_argument(
         "--trace-dir",
         type=Path,
@@ -110,15 +89,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.preset, args.dtype, args.device = "smoke", "float32", "cpu"
         args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
         args.prompt_len = 8
-    args.layers, args.hidden, args.heads = PRESETS[args.preset]
-    args.vocab, args.n_positions = GPT2_VOCAB, GPT2_N_POSITIONS
-    return args
+    return common.resolve_preset_arguments(args, "profile_decode")
 
 
 def start_decoding(engine: LLMEngine, args: argparse.Namespace, batch: int) -> None:
     """Adds the batch and steps until every request is past its prefill and warm-up."""
-    generator = torch.Generator().manual_seed(args.seed + batch)
-    prompts = torch.randint(0, args.vocab, (batch, args.prompt_len), generator=generator)
+    prompts = common.random_prompts(batch, args.prompt_len, args.vocab, args.seed + batch)
     # Enough tokens for the warm-up and the three passes, so no request ends mid-profile.
     max_tokens = args.warmup_steps + 3 * args.steps + 2
     # Outputs only when a request ends, as `LLM.generate` asks for them.
@@ -128,7 +104,7 @@ def start_decoding(engine: LLMEngine, args: argparse.Namespace, batch: int) -> N
         ignore_eos=True,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
-    for i, prompt in enumerate(prompts.tolist()):
+    for i, prompt in enumerate(prompts):
         engine.add_request(f"p{batch}-{i}", prompt, params)
     running = engine.scheduler.running
     while sum(g.seqs[0].num_computed_tokens >= args.prompt_len for g in running) < batch:
@@ -246,16 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = args.device.startswith("cuda")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="octavo_profile_") as tmp:
-        folder = Path(tmp)
-        write_checkpoint(folder, args)
-        config = EngineConfig(
-            model=str(folder), device=args.device, dtype=args.dtype,
-            max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager, seed=args.seed,
+    with common.dummy_checkpoint(args) as folder:
+        engine = common.make_engine(
+            folder, args, max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
             max_num_batched_tokens=max(2048, max(args.batches)),
             async_scheduling=args.async_scheduling,
         )  # fmt: skip
-        engine = LLMEngine(config)
         bandwidth = device_copy_bandwidth(args.device, COPY_BYTES) if cuda else None
         for batch in args.batches:
             start_decoding(engine, args, batch)
@@ -302,20 +274,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v:.3f}" for k, v in host.items()
             ))  # fmt: skip
     result = {
-        "benchmark": "profile_decode",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(args.device),
+        **common.result_header("profile_decode", args.device),
         "settings": {
             **{key: getattr(args, key) for key in SETTINGS},
-            "async_scheduling": config.schedules_ahead,
+            "async_scheduling": engine.config.schedules_ahead,
         },
         "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
         "rows": rows,
     }
-    path = args.result_file or default_result_file("profile_decode", args.device, args.preset)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    common.write_result(args.result_file, result)
     return 0
 
 

@@ -49,7 +49,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import git_commit
+from octavo.benchmarks.common import git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES
@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({served['kept_of_offline']:.0%} of offline), failed {served['failed']}, "
                 f"client CPU {served['client_cpu_share_of_a_core']:.0%} of a core"
             )
-    if args.result_file is not None:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.result_file, result)
     return 0
 
 

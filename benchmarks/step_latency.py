@@ -20,11 +20,8 @@ numbers mean nothing.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,45 +32,27 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import (  # noqa: E402
-    GPT2_N_POSITIONS,
-    GPT2_PRESETS,
-    GPT2_VOCAB,
-    SMOKE_PRESET,
-    default_result_file,
-    load_hf_model,
-    machine_info,
-    synchronize,
-    write_checkpoint,
-)
-from octavo.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from octavo.engine.config import DTYPES  # noqa: E402
+from octavo.benchmarks import common
+from octavo.engine import LLMEngine, SamplingParams
+from octavo.engine.config import DTYPES
 
-# (layers, n_embd, heads): the released GPT-2 sizes and the smoke model.
-PRESETS = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1
 KV_BLOCK_SIZE = 16  # the engine's default block size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
-    p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
+    common.add_preset_arguments(p)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=128, help="decode steps per run")
     p.add_argument("--warmup-steps", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on any device")
-    p.add_argument("--result-file", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.dtype = "smoke", "float32"
         args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
-    args.layers, args.hidden, args.heads = PRESETS[args.preset]
-    args.vocab, args.n_positions = GPT2_VOCAB, GPT2_N_POSITIONS
-    return args
+    return common.resolve_preset_arguments(args, "step_latency")
 
 
 def kv_blocks_needed(args: argparse.Namespace) -> int:
@@ -87,8 +66,7 @@ def kv_blocks_needed(args: argparse.Namespace) -> int:
 
 
 def prompts(args: argparse.Namespace, batch: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(args.seed + batch)
-    return torch.randint(0, args.vocab, (batch, args.prompt_len), generator=generator).tolist()
+    return common.random_prompts(batch, args.prompt_len, args.vocab, args.seed + batch)
 
 
 def octavo_steps_ms(engine: LLMEngine, args: argparse.Namespace, batch: int) -> list[float]:
@@ -118,30 +96,23 @@ def hf_ms_per_token(model, args: argparse.Namespace, batch: int) -> float:
             )  # fmt: skip
 
     generate()  # warm-up
-    synchronize(args.device)
-    start = time.perf_counter()
-    generate()
-    synchronize(args.device)
-    return (time.perf_counter() - start) * 1e3 / steps
+    wall, _ = common.timed(generate, args.device)
+    return wall * 1e3 / steps
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     modes = ["cuda_graphs", "eager"] if args.device.startswith("cuda") else ["eager"]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="octavo_step_") as tmp:
-        folder = Path(tmp)
-        write_checkpoint(folder, args)
-        hf = load_hf_model(folder, args.device, DTYPES[args.dtype])
+    with common.dummy_checkpoint(args) as folder:
+        hf = common.load_hf_model(folder, args.device, DTYPES[args.dtype])
         hf_ms = {batch: hf_ms_per_token(hf, args, batch) for batch in args.batches}
         del hf
         for mode in modes:
-            config = EngineConfig(
-                model=str(folder), device=args.device, dtype=args.dtype,
-                max_num_seqs=max(args.batches), enforce_eager=mode == "eager", seed=args.seed,
+            engine = common.make_engine(
+                folder, args, max_num_seqs=max(args.batches), enforce_eager=mode == "eager",
                 num_blocks=kv_blocks_needed(args),
             )  # fmt: skip
-            engine = LLMEngine(config)
             octavo_steps_ms(engine, args, 1)  # warm-up: kernels compiled, allocator primed
             for batch in args.batches:
                 times = octavo_steps_ms(engine, args, batch)[args.warmup_steps :]
@@ -159,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             del engine
     graph_batch1 = [r for r in rows if r["mode"] == "cuda_graphs" and r["batch"] == 1]
     result = {
-        "benchmark": "step_latency",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(args.device),
+        **common.result_header("step_latency", args.device),
         "settings": {
             key: getattr(args, key)
             for key in (
@@ -181,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch1_under_1ms": bool(graph_batch1) and graph_batch1[0]["step_ms_median"] < 1.0,
         },
     }
-    path = args.result_file or default_result_file("step_latency", args.device, args.preset)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    common.write_result(args.result_file, result)
     return 0
 
 
