@@ -62,11 +62,14 @@ def make_batch(
     seed: int = 0,
     device: str = "cpu",
     extra_blocks: int = 3,
+    num_kv_heads: int | None = None,
 ) -> PagedBatch:
+    """q has num_heads query heads; the cache num_kv_heads K/V heads (default: as many)."""
     generator = torch.Generator().manual_seed(seed)
+    kv_heads = num_kv_heads or num_heads
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks + 1
-    shape = (num_blocks, block_size, num_heads, head_dim)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     k_cache[0] = v_cache[0] = 0  # the null block
@@ -77,8 +80,8 @@ def make_batch(
         tables.append(table)
         for pos in range(seq_len):  # only real positions get values; the rest stay NaN
             block, offset = table[pos // block_size], pos % block_size
-            k_cache[block, offset] = torch.randn(num_heads, head_dim, generator=generator)
-            v_cache[block, offset] = torch.randn(num_heads, head_dim, generator=generator)
+            k_cache[block, offset] = torch.randn(kv_heads, head_dim, generator=generator)
+            v_cache[block, offset] = torch.randn(kv_heads, head_dim, generator=generator)
     width = max(blocks_per_seq)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     cu = [0]
