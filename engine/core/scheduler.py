@@ -42,6 +42,13 @@ class SchedulerUpdate:
     finished: list[SequenceGroup]
 
 
+# A scheduled sequence as the core sees it: its group, itself, and the sequences sampled
+# from its last position (none, itself, or itself and the samples forked off it).
+CoreEntry = tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]
+# How a sequence is scheduled: the ids of the sequences sampled from it, and its core entry.
+ScheduleRow = tuple[tuple[int, ...], CoreEntry]
+
+
 @dataclass
 class ScheduledStep:
     """A step as the core sees it: the worker's input (`output`) and, for each sequence it
@@ -50,7 +57,7 @@ class ScheduledStep:
     make room for it."""
 
     output: SchedulerOutput
-    entries: list[tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]]
+    entries: list[CoreEntry]
     preempted: list[SequenceGroup]
 
 
@@ -61,8 +68,8 @@ class _StepBuilder:
     def __init__(self) -> None:
         self.decodes: list[ScheduledSequence] = []
         self.prefills: list[ScheduledSequence] = []
-        self.decode_entries: list[tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]] = []
-        self.prefill_entries: list[tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]] = []
+        self.decode_entries: list[CoreEntry] = []
+        self.prefill_entries: list[CoreEntry] = []
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,8 @@ class Scheduler:
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
         self._num_running_seqs: int | None = None  # None: to be recounted
-        # Per sequence sampled so far (until it finishes): its sampling row (see _sample_row).
-        self._sample_rows: dict[int, tuple[tuple[int, ...], tuple[Sequence, ...]]] = {}
+        # Per sequence sampled so far (until it finishes): its row (see _sample_row).
+        self._sample_rows: dict[int, ScheduleRow] = {}
         self._new_sampled: list[NewSampledSequence] = []  # since the last schedule()
         self._finished_seq_ids: list[int] = []  # sampled sequences finished since then
         # Beams of constrained beam searches the worker keeps a grammar state of, the first
@@ -198,7 +205,7 @@ class Scheduler:
                     and group.num_sequences == 1  # no fork pending (group.needs_fork)
                 ):
                     row = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
-                    self._schedule_seq(step, group, seq, 1, row)
+                    self._schedule_seq(step, 1, row)
                     budget -= 1
                     index += 1
                     continue
@@ -264,20 +271,16 @@ class Scheduler:
         return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
 
     def _schedule_seq(
-        self,
-        step: _StepBuilder,
-        group: SequenceGroup,
-        seq: Sequence,
-        num_new: int,
-        samples: tuple[tuple[int, ...], tuple[Sequence, ...]] = ((), ()),
-        beam_top_k: int = 0,
+        self, step: _StepBuilder, num_new: int, row: ScheduleRow, beam_top_k: int = 0
     ) -> None:
-        """Schedules tokens [num_computed_tokens, + num_new) of `seq` (the one place a step's
-        sequence is made) and advances it past them; `samples`: the ids and sequences sampled
-        from its last position, each of which gets a pending token."""
+        """Schedules tokens [num_computed_tokens, + num_new) of the entry's sequence (the one
+        place a step's sequence is made) and advances it past them; each sequence sampled
+        from its last position gets a pending token. `row`: a sampled sequence's cached row
+        (`_sample_row`), or one made for this step (`_row`)."""
+        sample_ids, entry = row
+        group, seq, sample_seqs = entry
         start = seq.num_computed_tokens
         seq.num_computed_tokens = start + num_new
-        sample_ids, sample_seqs = samples
         for sampled in sample_seqs:
             sampled.num_pending_tokens += 1
         if beam_top_k and group.beam_grammar is not None:
@@ -297,10 +300,19 @@ class Scheduler:
         )
         if num_new == 1:
             step.decodes.append(item)
-            step.decode_entries.append((group, seq, sample_seqs))
+            step.decode_entries.append(entry)
         else:
             step.prefills.append(item)
-            step.prefill_entries.append((group, seq, sample_seqs))
+            step.prefill_entries.append(entry)
+
+    @staticmethod
+    def _row(
+        group: SequenceGroup, seq: Sequence, sample_ids: tuple[int, ...] = (),
+        sample_seqs: tuple[Sequence, ...] = (),
+    ) -> ScheduleRow:  # fmt: skip
+        """A row for this step only: a sequence nothing is sampled from, or a prompt whose
+        samples are forked off it this step."""
+        return sample_ids, (group, seq, sample_seqs)
 
     def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
         """Gives a sequence about to be admitted the cached blocks of its longest prefix and
@@ -353,20 +365,18 @@ class Scheduler:
         beam = group.beam
         for seq in seqs:
             if beam is None:
-                self._schedule_seq(step, group, seq, 1, self._sample_row(group, seq))
+                self._schedule_seq(step, 1, self._sample_row(group, seq))
             else:
-                self._schedule_seq(step, group, seq, 1, beam_top_k=beam.candidates_needed)
+                self._schedule_seq(step, 1, self._row(group, seq), beam.candidates_needed)
         return True
 
-    def _sample_row(
-        self, group: SequenceGroup, seq: Sequence
-    ) -> tuple[tuple[int, ...], tuple[Sequence, ...]]:
-        """The sampling row of `seq` (of a sampling request): built, and announced to the
-        worker (`NewSampledSequence`), the first time it is sampled; reused by every step
-        after until it finishes."""
+    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> ScheduleRow:
+        """The row of `seq` (of a sampling request), sampled from itself: built, and
+        announced to the worker (`NewSampledSequence`), the first time it is sampled; reused
+        by every step after until it finishes, so a steady decode allocates no entry."""
         row = self._sample_rows.get(seq.seq_id)
         if row is None:
-            row = self._sample_rows[seq.seq_id] = ((seq.seq_id,), (seq,))
+            row = self._sample_rows[seq.seq_id] = ((seq.seq_id,), (group, seq, (seq,)))
             self._new_sampled.append(
                 NewSampledSequence(
                     seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
@@ -435,18 +445,20 @@ class Scheduler:
                 seq.num_computed_tokens + num_new == len(seq.token_ids) + seq.num_pending_tokens
             )
             if reaches_end and beam is not None:
-                self._schedule_seq(step, group, seq, num_new, beam_top_k=beam.candidates_needed)
+                self._schedule_seq(step, num_new, self._row(group, seq), beam.candidates_needed)
+            elif reaches_end and group.needs_fork:
+                self._sample_row(group, seq)
+                children = self._fork(group, seq)
+                for child in children:  # the prompt this step completes is theirs too
+                    child.num_computed_tokens += num_new
+                    self._sample_row(group, child)
+                sampled = (seq, *children)
+                ids = tuple(s.seq_id for s in sampled)
+                self._schedule_seq(step, num_new, self._row(group, seq, ids, sampled))
             elif reaches_end:
-                sample_ids, sample_seqs = self._sample_row(group, seq)
-                if group.needs_fork:
-                    children = self._fork(group, seq)
-                    for child in children:  # the prompt this step completes is theirs too
-                        child.num_computed_tokens += num_new
-                    sample_ids += tuple(self._sample_row(group, c)[0][0] for c in children)
-                    sample_seqs += tuple(children)
-                self._schedule_seq(step, group, seq, num_new, (sample_ids, sample_seqs))
+                self._schedule_seq(step, num_new, self._sample_row(group, seq))
             else:
-                self._schedule_seq(step, group, seq, num_new)
+                self._schedule_seq(step, num_new, self._row(group, seq))
                 if beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
                     self._share_recomputed_prompt(group, seq)
         return sum(n for _, n in plan)
