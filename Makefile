@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast serve lint bench clean
+.PHONY: install test test-fast serve lint docs bench clean
 
 install: $(STAMP)
 
@@ -33,8 +33,15 @@ lint: install
 	$(VENV)/bin/ruff format --check engine kernels server tests benchmarks tools
 	$(VENV)/bin/mypy
 
+# The docs site (docs/ -> site/): the docs extra, the reference pages regenerated from the
+# code, then a strict build (a broken link or an orphan page fails).
+docs: install
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[docs]"
+	$(PY) -m tools.gen_docs
+	$(VENV)/bin/mkdocs build --strict
+
 bench: install
 	$(PY) benchmarks/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
