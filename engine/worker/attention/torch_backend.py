@@ -193,58 +193,37 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         scale: float,
     ) -> None:
-        """One SDPA call per sequence, each writing its rows of `out`."""
-        group = q.shape[1] // k_flat.shape[1]
-        if group > 1:
-            _attend_grouped(q, k, v, k_flat, v_flat, sequences, out, scale, group)
-            return
+        """One SDPA call per sequence, each writing its rows of `out`. With G query heads
+        per K/V head, a sequence's q_len x G queries of one K/V head are one [q_len * G, D]
+        block (row = position * G + member) and each position's mask row is repeated G
+        times: K/V are read once per K/V head. G = 1 (GPT-2) takes none of those steps."""
+        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        group = q.shape[1] // num_kv_heads
         for s in sequences:
+            q_len = s.end - s.start
             query = q[s.start : s.end].transpose(0, 1)  # [H, q_len, D]
+            if group > 1:  # -> [H_kv, q_len * G, D] (a copy of the queries only)
+                query = query.view(num_kv_heads, group, q_len, head_dim).transpose(1, 2)
+                query = query.reshape(num_kv_heads, q_len * group, head_dim)
             if s.key_slots is None:
-                keys = k[s.start : s.end].transpose(0, 1)
+                keys = k[s.start : s.end].transpose(0, 1)  # [H_kv, q_len, D]
                 values = v[s.start : s.end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+                mask, causal = None, True
             else:
-                keys = k_flat.index_select(0, s.key_slots).transpose(0, 1)  # [H, seq_len, D]
+                keys = k_flat.index_select(0, s.key_slots).transpose(0, 1)  # [H_kv, seq_len, D]
                 values = v_flat.index_select(0, s.key_slots).transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    query, keys, values, attn_mask=s.mask, scale=scale
-                )
-            out[s.start : s.end] = o.transpose(0, 1)
-
-
-def _attend_grouped(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    sequences: list[SequenceSlice],
-    out: torch.Tensor,
-    scale: float,
-    group: int,
-) -> None:
-    """`_attend` with `group` query heads per K/V head: a sequence's q_len x G queries of
-    one K/V head are one [q_len * G, D] block (row = position * G + group member), so K/V
-    are read once per K/V head; each position's mask row is repeated for its G rows."""
-    num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
-    for s in sequences:
-        q_len = s.end - s.start
-        # [q_len, H, D] -> [H_kv, q_len * G, D] (a copy of the queries only)
-        query = q[s.start : s.end].view(q_len, num_kv_heads, group, head_dim).transpose(0, 1)
-        query = query.reshape(num_kv_heads, q_len * group, head_dim)
-        mask = s.mask
-        if s.key_slots is None:
-            keys = k[s.start : s.end].transpose(0, 1)  # [H_kv, q_len, D]
-            values = v[s.start : s.end].transpose(0, 1)
-            positions = torch.arange(q_len, device=q.device)
-            mask = positions[None, :] <= positions[:, None]  # causal [q_len, q_len]
-        else:
-            keys = k_flat.index_select(0, s.key_slots).transpose(0, 1)  # [H_kv, seq_len, D]
-            values = v_flat.index_select(0, s.key_slots).transpose(0, 1)
-        if mask is not None:
-            mask = mask.repeat_interleave(group, dim=0)  # [q_len * G, keys]
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
-        # [H_kv, q_len * G, D] -> this sequence's rows of out, [q_len, H, D]
-        rows = out[s.start : s.end].view(q_len, num_kv_heads, group, head_dim)
-        rows.copy_(o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1))
+                mask, causal = s.mask, False
+            if group > 1:
+                if causal:  # SDPA's is_causal would align rows, not positions, with keys
+                    positions = torch.arange(q_len, device=q.device)
+                    mask, causal = positions[None, :] <= positions[:, None], False
+                if mask is not None:
+                    mask = mask.repeat_interleave(group, dim=0)  # [q_len * G, keys]
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=causal, scale=scale
+            )
+            if group == 1:
+                out[s.start : s.end] = o.transpose(0, 1)
+            else:  # [H_kv, q_len * G, D] -> this sequence's rows of out, [q_len, H, D]
+                rows = out[s.start : s.end].view(q_len, num_kv_heads, group, head_dim)
+                rows.copy_(o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1))
