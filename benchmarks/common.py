@@ -21,7 +21,14 @@ from typing import TypeVar
 
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
+    PreTrainedModel,
+)
 
 from octavo.engine import LLM, EngineConfig, LLMEngine
 from octavo.engine.config import DTYPES
@@ -42,6 +49,12 @@ SMOKE_PRESET = (2, 64, 2)
 PRESETS_WITH_SMOKE = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The dummy model's architecture by config.json's model_type: GPT-2, or GPTBigCode with
+# multi-query attention (one K/V head) in the same shape.
+ARCHITECTURES = {
+    "gpt2": (GPT2Config, GPT2LMHeadModel, {}),
+    "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM, {"multi_query": True}),
+}
 T = TypeVar("T")
 
 
@@ -57,11 +70,13 @@ def default_result_file(benchmark: str, device: str, preset: str | None) -> Path
 # -- the dummy model ------------------------------------------------------------------------
 
 
-def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
-    """Writes a dummy-weight GPT-2 (args: vocab, n_positions, hidden, layers, heads, seed) as a
-    Hugging Face folder, so every system runs the very same weights (lm_head tied)."""
+def write_checkpoint(folder: Path, args: argparse.Namespace) -> None:
+    """Writes a dummy-weight model (args: model_type, vocab, n_positions, hidden, layers, heads,
+    seed) as a Hugging Face folder, so every system runs the very same weights (lm_head
+    tied)."""
+    config_class, model_class, flags = ARCHITECTURES[args.model_type]
     eos = args.vocab - 1  # never stops anything: every system ignores EOS
-    config = GPT2Config(
+    config = config_class(
         vocab_size=args.vocab,
         n_positions=args.n_positions,
         n_embd=args.hidden,
@@ -69,10 +84,10 @@ def write_checkpoint(folder: Path, args: argparse.Namespace) -> GPT2Config:
         n_head=args.heads,
         bos_token_id=eos,
         eos_token_id=eos,
+        **flags,
     )
     torch.manual_seed(args.seed)
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    return config
+    model_class(config).save_pretrained(folder)
 
 
 @contextlib.contextmanager
@@ -86,14 +101,25 @@ def dummy_checkpoint(args: argparse.Namespace) -> Iterator[Path]:
 
 def model_info(args: argparse.Namespace) -> dict:
     """The dummy model's shape and weights, as every result file names them."""
+    model_class = ARCHITECTURES[args.model_type][1]
     return {
+        "model_type": args.model_type,
         "n_layer": args.layers,
         "n_embd": args.hidden,
         "n_head": args.heads,
         "vocab_size": args.vocab,
         "n_positions": args.n_positions,
-        "weights": f"dummy (GPT2LMHeadModel init, torch seed {args.seed})",
+        "weights": f"dummy ({model_class.__name__} init, torch seed {args.seed})",
     }
+
+
+def add_model_type_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-type",
+        default="gpt2",
+        choices=sorted(ARCHITECTURES),
+        help="the dummy model's architecture (gpt_bigcode: multi-query attention)",
+    )
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, benchmark: str) -> None:
@@ -102,6 +128,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, benchmark: str) -> None
     resolve_model_arguments."""
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_model_type_argument(parser)
     parser.add_argument(
         "--preset", choices=sorted(GPT2_PRESETS), help="a GPT-2 size: sets layers, hidden, heads"
     )
@@ -134,6 +161,7 @@ def add_preset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
     parser.add_argument("--preset", default="gpt2", choices=sorted(PRESETS_WITH_SMOKE))
+    add_model_type_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", type=Path, default=None)
 
@@ -201,8 +229,8 @@ def make_engine(folder: Path, args: argparse.Namespace, **settings) -> LLMEngine
     return LLMEngine(config)
 
 
-def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> GPT2LMHeadModel:
-    model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+def load_hf_model(folder: Path, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None  # EOS must never end a sequence
     model.generation_config.pad_token_id = PAD_TOKEN_ID
     return model.to(device).eval()
