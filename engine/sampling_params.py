@@ -259,17 +259,17 @@ class SamplingParams:
             and self.logprobs is None
             and not self.ranks_samples
             and not self.processes_logits
+            and not self.has_penalties
             and self.structured_outputs is None
         )
 
     @cached_property
     def processes_logits(self) -> bool:
         """Something changes this request's logits row by row before a token is picked:
-        penalties, min_tokens, logit_bias, allowed_token_ids or bad_words (a structured-output
-        grammar's mask is applied to all its rows at once, apart)."""
+        min_tokens, logit_bias, allowed_token_ids or bad_words (penalties and a
+        structured-output grammar's mask are applied to all their rows at once, apart)."""
         return bool(
-            self.has_penalties
-            or self.min_tokens
+            self.min_tokens
             or self.logit_bias
             or self.allowed_token_ids is not None
             or self.bad_words

@@ -195,7 +195,6 @@ class EngineCore:
         self._groups[request.request_id] = group
         if (
             group.beam is not None
-            or group.sampling.has_penalties
             or group.sampling.bad_words_token_ids
             or group.sampling.prompt_logprobs is not None
             or group.sampling.grammar is not None

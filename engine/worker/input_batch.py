@@ -11,6 +11,7 @@ from llguidance import LLMatcher
 
 from octavo.engine.step_io import GrammarProgress, SchedulerOutput
 from octavo.engine.worker.grammar import GrammarMatchers
+from octavo.engine.worker.penalties import PenaltyCounts
 from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
 from octavo.engine.worker.sampling_state import SamplingState
 
@@ -102,6 +103,7 @@ class InputBatch:
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
+        vocab_size: int,
         device: torch.device,
         grammars: GrammarMatchers,
     ):
@@ -109,7 +111,7 @@ class InputBatch:
         self.device = device
         self.grammars = grammars
         self.sampling: dict[int, SamplingState] = {}
-        self.sampling_columns = SamplingColumns(max_num_seqs)
+        self.sampling_columns = SamplingColumns(max_num_seqs, PenaltyCounts(vocab_size, device))
         self._keeping_outputs: set[int] = set()  # sequences whose sampling reads its outputs
         self._constrained: set[int] = set()  # sampled sequences with a grammar
         # The grammar state of each beam of a constrained beam search.

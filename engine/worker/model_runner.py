@@ -136,7 +136,9 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, device, grammars)
+        self.input_batch = InputBatch(
+            max_num_seqs, max_model_len, block_size, config.vocab_size, device, grammars
+        )
         # torch.empty: untouched blocks cost no memory; every read slot is written first.
         self.kv_cache = torch.empty(
             (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),

@@ -94,6 +94,10 @@ class Sampler:
         if len(random_rows):
             rows = on_device(random_rows, logits.device)
             sampled[rows] = self._sample_random(logits[rows], batch, random_rows)
+        penalized = batch.penalized_rows
+        if len(penalized):
+            rows = on_device(penalized, sampled.device)
+            batch.penalties.count(on_device(batch.slots[penalized], sampled.device), sampled[rows])
         if logprobs is None:
             return SampledTokens(sampled)
         out = SampledTokens(sampled, logprobs.gather(1, sampled[:, None]).squeeze(1))
@@ -102,14 +106,25 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Applies each row's logits processing (`_process_row`), then the grammar masks of
-        the constrained rows, last as in vLLM; copies `logits` only when some row has any."""
-        processed, constrained = batch.processed_rows, batch.constrained_rows
-        if not len(processed) and not len(constrained):
+        """Applies each row's own logits processing (`_process_row`), then the penalties of
+        the penalized rows, then the grammar masks of the constrained rows, last as in vLLM;
+        copies `logits` only when some row has any."""
+        processed, penalized = batch.processed_rows, batch.penalized_rows
+        constrained = batch.constrained_rows
+        if not len(processed) and not len(penalized) and not len(constrained):
             return logits
         logits = logits.clone()
         for i in processed.tolist():
             logits[i] = self._process_row(logits[i], batch.states[i], int(batch.num_sampled[i]))
+        if len(penalized):
+            batch.penalties.apply(
+                logits,
+                penalized,
+                batch.slots[penalized],
+                batch.repetition_penalty[penalized],
+                batch.frequency_penalty[penalized],
+                batch.presence_penalty[penalized],
+            )
         if len(constrained):
             matchers = [batch.states[i].matcher for i in constrained.tolist()]
             apply_grammar_masks(logits, constrained, matchers)  # type: ignore[arg-type]
@@ -118,8 +133,8 @@ class Sampler:
     def _process_row(
         self, row: torch.Tensor, request: SamplingState, num_sampled: int
     ) -> torch.Tensor:
-        """vLLM's order: allowed_token_ids, then bad_words and min_tokens masks, logit_bias,
-        then penalties."""
+        """vLLM's order: allowed_token_ids, then bad_words and min_tokens masks, then
+        logit_bias (the penalties come after, for all penalized rows at once)."""
         params = request.params
         if params.allowed_token_ids is not None:
             kept = on_device(params.allowed_token_ids, row.device)
@@ -135,8 +150,6 @@ class Sampler:
             tokens = on_device(list(params.logit_bias), row.device)
             bias = on_device(list(params.logit_bias.values()), row.device, row.dtype)
             row = row.index_add(0, tokens, bias)
-        if params.has_penalties:
-            row = apply_penalties(row, request)
         return row
 
     @staticmethod
@@ -198,26 +211,6 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     if values.device.type == "cpu" and values.dtype == torch.float32:
         return torch.from_numpy(values.numpy().argmax(axis=-1))
     return values.argmax(dim=-1)
-
-
-def apply_penalties(logits: torch.Tensor, request: SamplingState) -> torch.Tensor:
-    """One row's repetition, frequency and presence penalties (vLLM / OpenAI semantics).
-
-    repetition: a logit of a token seen in the prompt or output is divided by the penalty when
-    positive and multiplied by it when negative. frequency: minus penalty x count in output.
-    presence: minus penalty if it occurs in output at all.
-    """
-    params = request.params
-    vocab = logits.shape[0]
-    output = on_device(request.output_token_ids, logits.device, torch.long)
-    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
-    if params.repetition_penalty != 1.0:
-        seen = counts > 0
-        seen[on_device(request.prompt_token_ids, logits.device, torch.long)] = True
-        penalty = params.repetition_penalty
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, scaled, logits)
-    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: np.ndarray | list[float]) -> torch.Tensor:

@@ -4,10 +4,14 @@ of them as arrays: the sampler reads a batch's parameters without a loop over it
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from octavo.engine.worker.sampling_state import SamplingState
+
+if TYPE_CHECKING:  # the penalties module imports the sampler, which imports this one
+    from octavo.engine.worker.penalties import PenaltyCounts
 
 NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
 
@@ -29,14 +33,16 @@ class SamplingBatch:
     """One step's sampled rows, in row order: per-row parameters as arrays ([R]), gathered
     from the columns when first read (a step of plain greedy rows reads one), and the rows'
     states (`states`), which the work that is a row's own reads (its logits processing, its
-    seeded draws).
+    seeded draws), and the device-side token counts of penalized rows (`penalties`, at
+    `slots`).
 
     `num_top`: the top log-probabilities each row returns (NO_LOGPROBS: none; 0: only the
     sampled token's, for best_of ranking). `num_sampled`: the rows sampled for each row's
     sequence so far, this one included (tokens known and in flight: min_tokens counts
     both). `processed_rows` / `seeded_rows` / `constrained_rows`: the rows whose logits are
-    processed (penalties, masks, biases, grammars) / that draw from their own generator / that
-    a grammar constrains.
+    processed one by one (masks, biases) / that draw from their own generator / that a
+    grammar constrains. `penalized_rows`: the rows with a repetition, frequency or presence
+    penalty, applied to all of them at once.
     """
 
     greedy = _Column()
@@ -46,11 +52,21 @@ class SamplingBatch:
     min_p = _Column()
     num_top = _Column()
     num_sampled = _Column()
+    repetition_penalty = _Column()
+    frequency_penalty = _Column()
+    presence_penalty = _Column()
 
-    def __init__(self, states: list[SamplingState], slots: np.ndarray, columns: _Columns):
+    def __init__(
+        self,
+        states: list[SamplingState],
+        slots: np.ndarray,
+        columns: _Columns,
+        penalties: PenaltyCounts,
+    ):
         self.states = states
         self.slots = slots
         self.columns = columns
+        self.penalties = penalties
 
     def __len__(self) -> int:
         return len(self.states)
@@ -64,6 +80,10 @@ class SamplingBatch:
         return np.flatnonzero(self.columns.processes_logits[self.slots])
 
     @cached_property
+    def penalized_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.columns.penalized[self.slots])
+
+    @cached_property
     def seeded_rows(self) -> np.ndarray:
         return np.flatnonzero(self.columns.seeded[self.slots])
 
@@ -75,11 +95,13 @@ class SamplingBatch:
 
 class SamplingColumns:
     """Each sampled sequence's parameters in a slot of preallocated arrays, written once when
-    its state is created (`add`) and freed with it (`remove`)."""
+    its state is created (`add`) and freed with it (`remove`); a penalized sequence's token
+    counts in the same slot of `penalties`."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, penalties: PenaltyCounts):
         self._columns = _Columns(capacity)
         self._free = list(range(capacity - 1, -1, -1))
+        self.penalties = penalties
 
     def add(self, state: SamplingState) -> int:
         """Writes `state`'s parameters into a free slot; returns the slot."""
@@ -89,6 +111,8 @@ class SamplingColumns:
             self._free = list(range(len(self._columns.greedy) - 1, old - 1, -1))
         slot = self._free.pop()
         self._columns.write(slot, state)
+        if state.params.has_penalties:
+            self.penalties.reset(slot, len(self._columns.greedy), state.prompt_token_ids)
         return slot
 
     def remove(self, slot: int) -> None:
@@ -99,7 +123,7 @@ class SamplingColumns:
         for each (a sequence has one row a step at most)."""
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
         self._columns.num_sampled[slots] += 1
-        return SamplingBatch(states, slots, self._columns)
+        return SamplingBatch(states, slots, self._columns, self.penalties)
 
 
 class _Columns:
@@ -109,6 +133,7 @@ class _Columns:
         self.greedy = np.zeros(capacity, dtype=bool)
         self.plain_greedy = np.zeros(capacity, dtype=bool)
         self.processes_logits = np.zeros(capacity, dtype=bool)
+        self.penalized = np.zeros(capacity, dtype=bool)
         self.seeded = np.zeros(capacity, dtype=bool)
         self.constrained = np.zeros(capacity, dtype=bool)
         self.temperature = np.zeros(capacity, dtype=np.float32)
@@ -117,6 +142,9 @@ class _Columns:
         self.min_p = np.zeros(capacity, dtype=np.float32)
         self.num_top = np.zeros(capacity, dtype=np.int64)
         self.num_sampled = np.zeros(capacity, dtype=np.int64)
+        self.repetition_penalty = np.zeros(capacity, dtype=np.float32)
+        self.frequency_penalty = np.zeros(capacity, dtype=np.float32)
+        self.presence_penalty = np.zeros(capacity, dtype=np.float32)
 
     def grown(self) -> _Columns:
         """A copy with twice the slots."""
@@ -130,6 +158,10 @@ class _Columns:
         self.greedy[slot] = params.greedy
         self.plain_greedy[slot] = params.is_plain_greedy
         self.processes_logits[slot] = params.processes_logits
+        self.penalized[slot] = params.has_penalties
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.presence_penalty[slot] = params.presence_penalty
         self.seeded[slot] = state.generator is not None
         self.constrained[slot] = state.matcher is not None
         self.num_sampled[slot] = 0

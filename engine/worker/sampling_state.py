@@ -18,8 +18,9 @@ class SamplingState:
     finished (a preempted sequence keeps it: its seeded draws go on where they stopped).
 
     `output_token_ids` holds the tokens that reached the host, kept only when the
-    parameters read them (penalties, bad words); requests with those never run a step ahead,
-    so every earlier token is there when a row is sampled. `matcher`: where a constrained
+    parameters read them (bad words); requests with those never run a step ahead, so every
+    earlier token is there when a row is sampled (penalties read counts kept on the device
+    instead: `PenaltyCounts`). `matcher`: where a constrained
     sequence is in its grammar, advanced by every token that reaches the host (such requests
     never run a step ahead either). Its parameters, and the count of rows sampled for it, are
     in the input batch's `SamplingColumns`, at `slot`.
@@ -42,7 +43,7 @@ class SamplingState:
         generator = None
         if params.seed is not None:  # vLLM seeds parallel samples seed + index
             generator = torch.Generator(device=device).manual_seed(params.seed + new.sample_index)
-        keeps_outputs = params.has_penalties or bool(params.bad_words_token_ids)
+        keeps_outputs = bool(params.bad_words_token_ids)
         matcher = None if params.grammar is None else grammars.matcher(params.grammar)
         return cls(
             params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs, matcher

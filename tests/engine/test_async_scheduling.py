@@ -1,6 +1,8 @@
 """Async (one-step-ahead) scheduling on CPU: the lag itself, device-fed inputs, tokens past a
 stop discarded, aborts in flight, and requests that need every token first."""
 
+import torch
+
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import run_to_completion
@@ -87,16 +89,53 @@ def test_an_abort_with_a_step_in_flight_frees_everything(tiny_model_dir):
 
 
 def test_requests_that_need_every_token_first_run_without_the_lag(tiny_model_dir):
-    penalized = SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3)
+    # A bad word's ban depends on the tokens before it: the host must have them all.
+    banning = SamplingParams(temperature=0, max_tokens=10, bad_words_token_ids=[[9, 8]])
     plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [[9, 9, 8, 9, 8], [1, 2, 3]]
-    want = run_to_completion(make_engine(tiny_model_dir, False), prompts, [penalized, plain])
+    want = run_to_completion(make_engine(tiny_model_dir, False), prompts, [banning, plain])
     engine = make_engine(tiny_model_dir, True)
     batches = record_batches(engine)
-    got = run_to_completion(engine, prompts, [penalized, plain])
+    got = run_to_completion(engine, prompts, [banning, plain])
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    # While the penalized request ran, each step was applied before the next was scheduled.
+    # While the request with bad words ran, each step was applied before the next was
+    # scheduled.
     assert not any(b.pending_seq_ids for b in batches)
+
+
+def test_penalized_requests_run_a_step_ahead_with_the_tokens_of_hf_and_sync(
+    tiny_model_dir, hf_tiny
+):
+    """Penalties read token counts the sampler keeps on the device, so penalized requests
+    take the lag like the rest: greedy with a repetition penalty equals HF generate, and
+    seeded samples with frequency and presence penalties equal the engine without the lag."""
+    prompts = sample_prompts(3, 4, 12, hf_tiny.config.vocab_size, seed=11)
+    repetition = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.8)
+    sampled = SamplingParams(
+        n=2, temperature=1.0, seed=7, max_tokens=16, frequency_penalty=1.5,
+        presence_penalty=-0.5, ignore_eos=True,
+    )  # fmt: skip
+    params = [repetition, sampled, repetition]
+    want = run_to_completion(make_engine(tiny_model_dir, False), prompts, params)
+    engine = make_engine(tiny_model_dir, True)
+    batches = record_batches(engine)
+    got = run_to_completion(engine, prompts, params)
+    tokens = [[s.token_ids for s in o.outputs] for o in got]
+    assert tokens == [[s.token_ids for s in o.outputs] for o in want]
+    assert sum(len(b.pending_seq_ids) for b in batches) > len(batches)  # several rows lagged
+    for k in (0, 2):
+        with torch.no_grad():
+            hf = hf_tiny.generate(
+                torch.tensor([prompts[k]]),
+                attention_mask=torch.ones(1, len(prompts[k]), dtype=torch.long),
+                max_new_tokens=16, do_sample=False, repetition_penalty=1.8,
+                pad_token_id=hf_tiny.config.eos_token_id,
+            )  # fmt: skip
+        assert tokens[k][0] == hf[0, len(prompts[k]) :].tolist()
+    # The penalties changed the samples: without them the same seeds draw otherwise.
+    plain = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    unpenalized = run_to_completion(make_engine(tiny_model_dir, True), [prompts[1]], plain)
+    assert [s.token_ids for s in unpenalized[0].outputs] != tokens[1]
 
 
 def test_no_step_is_scheduled_past_max_model_len(tiny_model_dir, hf_tiny):

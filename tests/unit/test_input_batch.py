@@ -18,6 +18,7 @@ from octavo.engine.worker.input_batch import InputBatch
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
+VOCAB = 32  # no test here samples with a penalty: the counts stay unallocated
 
 
 def naive_inputs(step: ScheduledStep, bm: BlockManager) -> dict[str, list]:
@@ -44,7 +45,7 @@ def test_persistent_rows_match_a_from_scratch_build_every_step():
     scheduler = Scheduler(SchedulerConfig(6, 10), bm, StopChecker(None))
     # Two rows to start: the n > 1 requests make the table grow.
     grammars = GrammarMatchers(None, vocab_size=0, eos_token_id=None)  # nothing constrained
-    batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"), grammars)
+    batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE, VOCAB, torch.device("cpu"), grammars)
     tokens = itertools.count(100)
     for i, (prompt_len, n, max_tokens) in enumerate(
         [(9, 1, 12), (3, 3, 7), (14, 2, 5), (5, 1, 20)]

@@ -9,10 +9,10 @@ from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import NewSampledSequence
 from octavo.engine.stop_rules import stop_token_set
 from octavo.engine.worker.grammar import GrammarMatchers
+from octavo.engine.worker.penalties import PenaltyCounts
 from octavo.engine.worker.sampler import (
     Sampler,
     apply_min_p,
-    apply_penalties,
     apply_top_k_top_p,
     argmax_rows,
 )
@@ -39,14 +39,17 @@ def request(prompt=(1,), output=(), seed=None, **params) -> SamplingState:
     return state
 
 
-def batch(states: list[SamplingState]) -> SamplingBatch:
+def batch(states: list[SamplingState], vocab_size: int = len(PROBS)) -> SamplingBatch:
     """The rows `states` (one state may fill several) as the input batch gathers them, each
-    sequence's earlier outputs counted as the steps that sampled them counted them."""
-    columns = SamplingColumns(1)
+    sequence's earlier outputs counted as the steps that sampled them counted them (rows,
+    and the sampler's counts of a penalized row's tokens)."""
+    columns = SamplingColumns(1, PenaltyCounts(vocab_size, torch.device("cpu")))
     for state in {id(s): s for s in states}.values():
         state.slot = columns.add(state)
-        for _ in state.output_token_ids:
-            columns.gather([state])
+        for token in state.output_token_ids:
+            earlier = columns.gather([state])
+            if len(earlier.penalized_rows):
+                earlier.penalties.count(torch.tensor([state.slot]), torch.tensor([token]))
     return columns.gather(states)
 
 
@@ -80,6 +83,17 @@ def test_min_p_masks_below_a_fraction_of_the_top_probability():
     assert kept(out) == [[0, 1, 2], [0]]
 
 
+def penalized(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
+    """`logits` [R, vocab] with the penalties of every penalized row of `rows` applied."""
+    out = logits.clone()
+    which = rows.penalized_rows
+    rows.penalties.apply(
+        out, which, rows.slots[which], rows.repetition_penalty[which],
+        rows.frequency_penalty[which], rows.presence_penalty[which],
+    )  # fmt: skip
+    return out
+
+
 def test_penalties_match_a_hand_computation():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
     req = request(
@@ -92,7 +106,42 @@ def test_penalties_match_a_hand_computation():
     # repetition (seen: 0, 1, 3): [1, -2, 0.5, 1.5]; frequency (counts 0, 2, 0, 1): -[0, 1, 0, .5];
     # presence (tokens 1, 3): -[0, .25, 0, .25].
     expected = torch.tensor([1.0, -3.25, 0.5, 0.75])
-    assert torch.allclose(apply_penalties(logits, req), expected)
+    assert torch.equal(penalized(logits[None], batch([req], vocab_size=4))[0], expected)
+
+
+def test_penalties_of_a_batch_are_each_rows_own():
+    """Rows with other penalties, prompts and outputs, penalized together, equal a dense
+    computation of each row's penalties from its prompt and outputs; a row without
+    penalties is untouched; the sampler counts each penalized row's draw."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 7, generator=generator)
+    logits[1, 5] = 0.0
+    reqs = [
+        request(prompt=[0, 6], output=[1, 1, 2], repetition_penalty=1.7, temperature=0.0),
+        request(prompt=[5], output=[4], frequency_penalty=-0.8, presence_penalty=1.5),
+        request(output=[3, 3], temperature=0.0),  # no penalty
+        request(prompt=[2], output=[6, 0, 6], presence_penalty=-2.0, repetition_penalty=0.5),
+    ]
+    rows = batch(reqs, vocab_size=7)
+    assert rows.penalized_rows.tolist() == [0, 1, 3]
+    got = penalized(logits, rows)
+    for i, req in enumerate(reqs):
+        params = req.params
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=7).float()
+        seen = counts > 0
+        seen[req.prompt_token_ids] = True
+        row = logits[i]
+        p = params.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / p, row * p), row)
+        row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+        assert torch.allclose(got[i], row, rtol=0, atol=1e-6), i
+    assert torch.equal(got[2], logits[2])
+    sampled = Sampler(torch.Generator().manual_seed(0))(logits, rows).token_ids
+    for i in rows.penalized_rows.tolist():
+        expected = torch.bincount(torch.tensor(reqs[i].output_token_ids), minlength=7)
+        expected[sampled[i]] += 1
+        assert torch.equal(rows.penalties.output_counts[rows.slots[i]].long(), expected)
+        assert rows.penalties.seen[rows.slots[i], sampled[i]]
 
 
 def test_greedy_takes_the_argmax_and_reports_model_logprobs():

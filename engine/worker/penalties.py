@@ -1,0 +1,98 @@
+"""Repetition, frequency and presence penalties over a step's rows, from token counts the
+worker keeps on the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from octavo.engine.worker.sampler import on_device
+
+
+class PenaltyCounts:
+    """Per slot of the sampling columns: how many times each token has been sampled for the
+    slot's sequence (`output_counts`, int32 [slots, vocab]) and which tokens it has seen,
+    in its prompt or its output (`seen`, bool [slots, vocab]), on the sampler's device.
+
+    Only penalized sequences are written: the tensors are allocated when the first one
+    arrives and grow with the columns. The sampler counts each penalized row's token as it
+    draws it, on the device and in stream order, so the next step's penalties see it
+    without the host having received it: penalized requests run a step ahead like the rest.
+    A preempted sequence keeps its slot and so its counts.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
+        self.seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+
+    def reset(self, slot: int, capacity: int, prompt_token_ids: list[int]) -> None:
+        """Starts slot `slot` (of `capacity` column slots) for a new sequence: no token
+        sampled, the prompt's tokens seen."""
+        if len(self.output_counts) < capacity:
+            self._grow(capacity)
+        self.output_counts[slot] = 0
+        self.seen[slot] = False
+        self.seen[slot, on_device(prompt_token_ids, self.device, torch.long)] = True
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.output_counts)
+        counts = torch.zeros((capacity, self.vocab_size), dtype=torch.int32, device=self.device)
+        seen = torch.zeros((capacity, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts[:old], seen[:old] = self.output_counts, self.seen
+        self.output_counts, self.seen = counts, seen
+
+    def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """One more sample of `token_ids[i]` for the sequence in `slots[i]` (each slot once)."""
+        self.output_counts[slots, token_ids] += 1
+        self.seen[slots, token_ids] = True
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        slots: np.ndarray,
+        repetition: np.ndarray,
+        frequency: np.ndarray,
+        presence: np.ndarray,
+    ) -> None:
+        """Penalizes rows `rows` of `logits` [N, vocab] in place, row rows[i] for the
+        sequence in slots[i] with the penalties [i].
+
+        Only a row's seen tokens change, and they are few next to the vocabulary: they are
+        gathered, penalized and scattered back, which on CPU costs a fraction of penalizing
+        [rows, vocab] densely. Finding them (`nonzero`) waits for the device on CUDA, as a
+        step that applies every token first would.
+        """
+        device = logits.device
+        slots_on_device = on_device(slots, device)
+        which, tokens = self.seen[slots_on_device].nonzero(as_tuple=True)
+        at = (on_device(rows, device)[which], tokens)
+        logits[at] = apply_penalties(
+            logits[at],
+            self.output_counts[slots_on_device[which], tokens],
+            on_device(repetition, device)[which],
+            on_device(frequency, device)[which],
+            on_device(presence, device)[which],
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """The repetition, frequency and presence penalties (vLLM / OpenAI semantics) of logits
+    of tokens a sequence has seen, elementwise: each logit with its token's count in the
+    sequence's output (0 for a token seen only in its prompt) and its sequence's penalties.
+
+    repetition: a logit is divided by the penalty when positive and multiplied by it when
+    negative. frequency: minus penalty x count in the output. presence: minus penalty if the
+    token occurs in the output at all.
+    """
+    counts = output_counts.to(logits.dtype)
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    return scaled - frequency * counts - presence * (output_counts > 0)
