@@ -8,6 +8,8 @@ Workload (every value can be changed on the command line):
   * 48 requests whose prompt lengths are uniform in [16, 256] and output lengths uniform in
     [16, 128], drawn with random.Random(seed); prompt token ids are random;
   * greedy decoding, EOS ignored: every request generates exactly its own output length;
+    --repetition-penalty P penalizes every request (Octavo and hf_static; HF's
+    continuous batching is skipped then);
   * float32 on CPU by default (--device cuda / --dtype float16 for a GPU).
 
 Systems, each timed with time.perf_counter on the same requests, --repeats times (median
@@ -75,6 +77,7 @@ class Workload:
 
     prompts: list[list[int]]
     output_lens: list[int]
+    repetition_penalty: float = 1.0
 
     @property
     def num_requests(self) -> int:
@@ -121,6 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run Octavo one step ahead or not (EngineConfig.async_scheduling; default: the "
         "engine's, on for CUDA)",
     )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="every request's repetition_penalty (1: none); skips hf_cb when set",
+    )
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
     return common.resolve_model_arguments(p.parse_args(argv), "offline_throughput")
@@ -145,7 +154,7 @@ def warmup_workload(workload: Workload) -> Workload:
     """A few short requests cut from the real ones, to pay one-off costs outside the timing."""
     n = min(WARMUP_REQUESTS, workload.num_requests)
     prompts = [p[:WARMUP_PROMPT_LEN] for p in workload.prompts[:n]]
-    return Workload(prompts, [WARMUP_OUTPUT_LEN] * n)
+    return Workload(prompts, [WARMUP_OUTPUT_LEN] * n, workload.repetition_penalty)
 
 
 # -- the systems ----------------------------------------------------------------------------
@@ -153,7 +162,13 @@ def warmup_workload(workload: Workload) -> Workload:
 
 def run_octavo(llm: LLM, workload: Workload) -> list[list[int]]:
     params = [
-        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
+        SamplingParams(
+            max_tokens=n,
+            temperature=0.0,
+            ignore_eos=True,
+            repetition_penalty=workload.repetition_penalty,
+        )
+        for n in workload.output_lens
     ]
     outs = llm.generate(workload.prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -178,6 +193,7 @@ def run_hf_static(
             do_sample=False,
             eos_token_id=None,
             pad_token_id=PAD_TOKEN_ID,
+            repetition_penalty=workload.repetition_penalty,
         )
         if generated.shape[1] != width + max_new:
             raise RuntimeError(
@@ -402,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.vocab, args.seed
     )
+    workload = dataclasses.replace(workload, repetition_penalty=args.repetition_penalty)
+    if args.repetition_penalty != 1.0:
+        args.skip_hf_cb = True  # not wired: only greedy runs through the HF CB peer here
     print(
         f"[offline_throughput] {workload.num_requests} requests, {workload.prompt_tokens} "
         f"prompt + {workload.output_tokens} output tokens; torch threads "
@@ -434,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "dtype": args.dtype,
             "decoding": "greedy, EOS ignored",
+            "repetition_penalty": args.repetition_penalty,
             "hf_static_batch_size": args.batch_size,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
