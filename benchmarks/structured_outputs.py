@@ -3,7 +3,7 @@ vocabulary) and this machine.
 
   1. compile   each kind of constraint (a JSON schema, a regex, a choice, a grammar): the
                front end's compile and validation, cold and cached, and the worker's matcher.
-  2. mask      one step's masks at batch 1, 64 and 256 (`apply_grammar_masks`: every row's
+  2. mask      one step's masks at batch 1, 64 and 256 (`GrammarMatchers.apply_masks`: every row's
                mask filled by llguidance, then applied to random logits in one operation),
                matchers part-way through a JSON object.
   3. engine    `LLM.generate` on --num-requests prompts of 16 tokens, --output-len tokens each
@@ -41,7 +41,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from octavo.benchmarks.common import RESULTS_DIR, git_commit, machine_info
 from octavo.engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from octavo.engine.structured_outputs import _compile, compile_grammar
-from octavo.engine.worker.grammar import GrammarMatchers, apply_grammar_masks
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.server.server_args import DEFAULT_MODEL
 
 SCHEMA = {
@@ -110,7 +110,7 @@ def mask_times(grammars: GrammarMatchers, vocab: int, repeats: int) -> dict:
         logits = torch.randn(batch, vocab)
         every_row = np.arange(batch)
         step = median_ms(
-            lambda x=logits, r=every_row, m=matchers: apply_grammar_masks(x, r, m), repeats
+            lambda x=logits, r=every_row, m=matchers: grammars.apply_masks(x, r, m), repeats
         )
         rows[str(batch)] = {"step_ms": step, "per_row_us": step * 1e3 / batch}
     return rows

@@ -104,21 +104,22 @@ class EngineCore:
             StopChecker(self.eos_token_id),
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        grammars = GrammarMatchers(
+            tokenizer_file(config.model, config.load_format),
+            self.model_config.vocab_size,
+            self.eos_token_id,
+        )
         self.runner = ModelRunner(
             loaded.model,
             backend,
-            Sampler(generator),
+            Sampler(generator, grammars),
             num_blocks,
             config.block_size,
             config.max_num_seqs,
             self.max_model_len,
             self.device,
             dtype,
-            GrammarMatchers(
-                tokenizer_file(config.model, config.load_format),
-                self.model_config.vocab_size,
-                self.eos_token_id,
-            ),
+            grammars,
         )
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from octavo.engine.structured_outputs import COMPILED_GRAMMAR_CACHE_SIZE
 
@@ -19,10 +19,11 @@ BITS_PER_WORD = 32
 class GrammarMatchers:
     """Builds matchers over the model's tokenizer and masks logits with them.
 
-    The llguidance tokenizer (the vocabulary's bytes, for matching token by token) is built
-    on the first constrained request, not at startup: an engine that serves none never pays
-    for it. Its vocabulary is the model's (the logits' width), and EOS is the model's: a
-    matcher allows EOS exactly where its grammar accepts.
+    The llguidance tokenizer (the vocabulary's bytes, for matching token by token) and the
+    executor that fills a step's masks (llguidance's thread pool, its default size) are
+    built on the first constrained request, not at startup: an engine that serves none
+    never pays for them. The vocabulary is the model's (the logits' width), and EOS is the
+    model's: a matcher allows EOS exactly where its grammar accepts.
     """
 
     def __init__(self, tokenizer_file: Path | None, vocab_size: int, eos_token_id: int | None):
@@ -30,6 +31,7 @@ class GrammarMatchers:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
         # A fresh matcher per grammar text, most recently used last: building one parses
         # and compiles its grammar, copying one does not.
         self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()
@@ -59,34 +61,53 @@ class GrammarMatchers:
             self._fresh.move_to_end(grammar)
         return fresh.deep_copy()
 
+    def apply_masks(
+        self, logits: torch.Tensor, rows: np.ndarray, matchers: list[LLMatcher]
+    ) -> None:
+        """Sets to -inf, in place, every logit of rows `rows` (ascending, distinct) of
+        `logits` [R, vocab] whose token the row's matcher does not allow next: the masks
+        are filled on the host in one llguidance call, unpacked to one flag per token, and
+        applied in one operation."""
+        if self._executor is None:
+            self._executor = LLExecutor()
+        vocab = logits.shape[1]
+        words = -(-vocab // BITS_PER_WORD)
+        bitmask = np.empty((len(matchers), words), dtype=np.int32)
+        row_bytes = words * bitmask.itemsize
+        self._executor.unsafe_compute_mask_ptr(
+            [(matcher, i) for i, matcher in enumerate(matchers)],
+            bitmask.ctypes.data,
+            row_bytes,
+            len(matchers),
+        )
+        if logits.device.type == "cuda":
+            _apply_on_device(logits, rows, bitmask, vocab)
+            return
+        # Bit i of word w is token 32 w + i: the inverted words' little-endian bytes, each
+        # read from its lowest bit, in one pass, are the refused tokens' flags. numpy's
+        # masked copy costs a third of torch's masked_fill_ here.
+        little = np.invert(bitmask).astype("<i4", copy=False).view(np.uint8)
+        refused = np.unpackbits(little, axis=1, count=vocab, bitorder="little").view(np.bool_)
+        values = logits.numpy()
+        if len(rows) == len(values):  # every row (all constrained): in place, no gather
+            np.copyto(values, -np.inf, where=refused)
+        else:
+            chosen = values[rows]
+            np.copyto(chosen, -np.inf, where=refused)
+            values[rows] = chosen
 
-def apply_grammar_masks(logits: torch.Tensor, rows: np.ndarray, matchers: list[LLMatcher]) -> None:
-    """Sets to -inf, in place, every logit of rows `rows` (ascending, distinct) of `logits`
-    [R, vocab] whose token the row's matcher does not allow next: the masks are filled on
-    the host (llguidance, one call per row), unpacked to one flag per token, and applied in
-    one operation."""
-    vocab = logits.shape[1]
-    words = -(-vocab // BITS_PER_WORD)
-    bitmask = np.empty((len(matchers), words), dtype=np.int32)
-    row_bytes = words * bitmask.itemsize
-    base = bitmask.ctypes.data
-    for i, matcher in enumerate(matchers):
-        matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
-    index = torch.from_numpy(rows.astype(np.int64))
-    if logits.device.type == "cuda":
-        # Unpacked on the device: a 32x smaller copy (pinned, so it waits for nothing).
-        device = logits.device
-        packed = torch.from_numpy(bitmask).pin_memory().to(device, non_blocking=True)
-        index = index.pin_memory().to(device, non_blocking=True)
-        shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
-        allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    else:
-        # Bit i of word w is token 32 w + i: the words' little-endian bytes, each read from
-        # its lowest bit, in one pass (no [R, words, 32] intermediate).
-        little = bitmask.astype("<i4", copy=False).view(np.uint8)
-        flags = np.unpackbits(little, axis=1, count=vocab, bitorder="little")
-        allowed = torch.from_numpy(flags.view(np.bool_))
-    if len(rows) == logits.shape[0]:  # every row (all constrained): in place, no gather
+
+def _apply_on_device(
+    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray, vocab: int
+) -> None:
+    """The masks unpacked on the device: a 32x smaller copy (pinned, so it waits for
+    nothing)."""
+    device = logits.device
+    packed = torch.from_numpy(bitmask).pin_memory().to(device, non_blocking=True)
+    index = torch.from_numpy(rows.astype(np.int64)).pin_memory().to(device, non_blocking=True)
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

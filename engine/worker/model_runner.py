@@ -18,7 +18,7 @@ from octavo.engine.step_io import (
 )
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
-from octavo.engine.worker.grammar import GrammarMatchers, apply_grammar_masks
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.sampler import SampledTokens, Sampler
@@ -224,7 +224,7 @@ class ModelRunner:
         rows = [i for i, seq_id in enumerate(beam_seq_ids) if seq_id in matchers]
         if rows:
             states = [matchers[beam_seq_ids[i]] for i in rows]
-            apply_grammar_masks(logprobs, np.array(rows), states)
+            self.input_batch.grammars.apply_masks(logprobs, np.array(rows), states)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: HostBatch) -> dict[int, TopLogprobs]:
         """Each span's prompt-token log-probabilities and best tokens, from the step's hidden

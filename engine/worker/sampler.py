@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from octavo.engine.step_io import SamplerOutput
-from octavo.engine.worker.grammar import apply_grammar_masks
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.sampling_batch import NO_LOGPROBS, SamplingBatch
 from octavo.engine.worker.sampling_state import SamplingState
 
@@ -76,8 +76,9 @@ class Sampler:
     them, and only for rows whose request asked for logprobs.
     """
 
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, grammars: GrammarMatchers):
         self.generator = generator
+        self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
         """logits: [num_rows, vocab] float32, one row per row of `batch`. Nothing here waits
@@ -127,7 +128,7 @@ class Sampler:
             )
         if len(constrained):
             matchers = [batch.states[i].matcher for i in constrained.tolist()]
-            apply_grammar_masks(logits, constrained, matchers)  # type: ignore[arg-type]
+            self.grammars.apply_masks(logits, constrained, matchers)  # type: ignore[arg-type]
         return logits
 
     def _process_row(

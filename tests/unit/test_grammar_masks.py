@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from octavo.engine.structured_outputs import StructuredOutputsParams, compile_grammar
-from octavo.engine.worker.grammar import GrammarMatchers, apply_grammar_masks
+from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.server.server_args import DEFAULT_MODEL
 from tests.engine.helpers import llguidance_allowed
 
@@ -23,7 +23,7 @@ def test_masks_equal_llguidance_logit_bias_on_the_rows_named():
     assert matchers[1].consume_tokens(grammars.tokenizer.tokenize_str("ab"))
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
-    apply_grammar_masks(logits, np.array([0, 2]), matchers)
+    grammars.apply_masks(logits, np.array([0, 2]), matchers)
     assert torch.equal(logits[1], before[1])
     for row, matcher in zip((0, 2), matchers, strict=True):
         allowed = llguidance_allowed(matcher, vocab)

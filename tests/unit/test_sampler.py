@@ -136,7 +136,7 @@ def test_penalties_of_a_batch_are_each_rows_own():
         row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
         assert torch.allclose(got[i], row, rtol=0, atol=1e-6), i
     assert torch.equal(got[2], logits[2])
-    sampled = Sampler(torch.Generator().manual_seed(0))(logits, rows).token_ids
+    sampled = Sampler(torch.Generator().manual_seed(0), GRAMMARS)(logits, rows).token_ids
     for i in rows.penalized_rows.tolist():
         expected = torch.bincount(torch.tensor(reqs[i].output_token_ids), minlength=7)
         expected[sampled[i]] += 1
@@ -145,7 +145,7 @@ def test_penalties_of_a_batch_are_each_rows_own():
 
 
 def test_greedy_takes_the_argmax_and_reports_model_logprobs():
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([PROBS, PROBS[::-1]]).log()
     out = sampler(
         logits, batch([request(temperature=0.0, logprobs=2), request(temperature=0.0)])
@@ -173,7 +173,7 @@ def test_argmax_rows_matches_torch_argmax_with_ties_infinities_and_nan():
 
 
 def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn():
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 9.0]] * 3)
     reqs = [
         request(output=[7], temperature=0.0, min_tokens=2, stop_token_ids=[3]),
@@ -184,7 +184,7 @@ def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn():
 
 
 def test_penalised_greedy_row_changes_its_choice():
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0, 0.0]])
     penalized = request(output=[0], temperature=0.0, presence_penalty=0.5, logprobs=0)
     out = sampler(logits, batch([penalized])).to_host()
@@ -194,7 +194,7 @@ def test_penalised_greedy_row_changes_its_choice():
 
 
 def test_token_controls_match_a_hand_computation():
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.5]] * 5)
     bad = request(output=[9, 2], temperature=0.0)
     bad.params.bad_words_token_ids = [[1], [2, 0], [7, 2]]  # 1 always; 0 after 2; 2 after 7
@@ -212,7 +212,7 @@ def test_token_controls_match_a_hand_computation():
 def test_logit_bias_comes_before_penalties_as_in_vllm():
     # repetition_penalty 2 on a seen token: (3 + 1) / 2 = 2 < 2.5 (bias first), where
     # 3 / 2 + 1 = 2.5 would tie (penalty first).
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([[3.0, 2.5, 0.0, 0.0, 0.0]])
     row = request(
         prompt=(4,), output=[0], temperature=0.0, logit_bias={0: 1.0}, repetition_penalty=2.0
@@ -224,7 +224,7 @@ def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
 
     def draw(rows: list[int], seed_row: int) -> int:
-        sampler = Sampler(torch.Generator().manual_seed(len(rows)))
+        sampler = Sampler(torch.Generator().manual_seed(len(rows)), GRAMMARS)
         reqs = [request(seed=1234 if r == seed_row else None, temperature=1.0) for r in rows]
         return sampler(logits[rows], batch(reqs)).to_host().token_ids[rows.index(seed_row)]
 
@@ -233,7 +233,7 @@ def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
 
 
 def test_random_draws_follow_the_filtered_distribution():
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([PROBS]).log().repeat(4000, 1)
     tokens = sampler(logits, batch([request(temperature=1.0, top_k=3)] * 4000)).to_host().token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / 4000
