@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer
 
 from octavo.engine.structured_outputs import COMPILED_GRAMMAR_CACHE_SIZE
 
@@ -19,11 +19,10 @@ BITS_PER_WORD = 32
 class GrammarMatchers:
     """Builds matchers over the model's tokenizer and masks logits with them.
 
-    The llguidance tokenizer (the vocabulary's bytes, for matching token by token) and the
-    executor that fills a step's masks (llguidance's thread pool, its default size) are
-    built on the first constrained request, not at startup: an engine that serves none
-    never pays for them. The vocabulary is the model's (the logits' width), and EOS is the
-    model's: a matcher allows EOS exactly where its grammar accepts.
+    The llguidance tokenizer (the vocabulary's bytes, for matching token by token) is built
+    on the first constrained request, not at startup: an engine that serves none never pays
+    for it. Its vocabulary is the model's (the logits' width), and EOS is the model's: a
+    matcher allows EOS exactly where its grammar accepts.
     """
 
     def __init__(self, tokenizer_file: Path | None, vocab_size: int, eos_token_id: int | None):
@@ -31,7 +30,6 @@ class GrammarMatchers:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer: LLTokenizer | None = None
-        self._executor: LLExecutor | None = None
         # A fresh matcher per grammar text, most recently used last: building one parses
         # and compiles its grammar, copying one does not.
         self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()
@@ -66,20 +64,16 @@ class GrammarMatchers:
     ) -> None:
         """Sets to -inf, in place, every logit of rows `rows` (ascending, distinct) of
         `logits` [R, vocab] whose token the row's matcher does not allow next: the masks
-        are filled on the host in one llguidance call, unpacked to one flag per token, and
-        applied in one operation."""
-        if self._executor is None:
-            self._executor = LLExecutor()
+        are filled on the host (llguidance, one call per row: its parallel executor's thread
+        pool fights torch's threads for a small machine's cores), unpacked to one flag per
+        token, and applied in one operation."""
         vocab = logits.shape[1]
         words = -(-vocab // BITS_PER_WORD)
         bitmask = np.empty((len(matchers), words), dtype=np.int32)
         row_bytes = words * bitmask.itemsize
-        self._executor.unsafe_compute_mask_ptr(
-            [(matcher, i) for i, matcher in enumerate(matchers)],
-            bitmask.ctypes.data,
-            row_bytes,
-            len(matchers),
-        )
+        base = bitmask.ctypes.data
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         if logits.device.type == "cuda":
             _apply_on_device(logits, rows, bitmask, vocab)
             return
