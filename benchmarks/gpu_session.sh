@@ -51,12 +51,13 @@ tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     step gpu_tests "$python" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider
-    # The CPU engine suite as it is, every engine moved to CUDA (float32 kept): CUDA graphs,
+    # The CPU engine and model suites as they are, every engine moved to CUDA (float32 kept):
+    # GPT-2 variants and GPTBigCode (multi-query kernels), CUDA graphs,
     # pinned copies and one-step-ahead scheduling against the same HF oracle.
     # Eight workers (pytest-xdist is on the GPU image; the machine has 16 cores): one after
     # another the tests take longer than a 10-minute call, most of it Triton compiling each
     # test's shapes.
-    step engine_suite_on_cuda "$python" -m pytest -q -n 8 tests/engine tests/unit -m "not gpu" \
+    step engine_suite_on_cuda "$python" -m pytest -q -n 8 tests/engine tests/model tests/unit -m "not gpu" \
         --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)

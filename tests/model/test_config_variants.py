@@ -187,12 +187,16 @@ SHORT_MAX_MODEL_LEN = 32
 
 @pytest.mark.parametrize("name", list(ATTENTION_VARIANTS))
 def test_beam_search_equals_transformers(variants, name):
-    folder, hf = variants(name)
-    beam_prompts = sample_prompts(len(BEAM_CASES), 5, 20, SPEC.vocab_size, seed=9)
+    assert_beam_search_equals_transformers(*variants(name), SPEC.vocab_size)
+
+
+def assert_beam_search_equals_transformers(folder: str, hf, vocab_size: int) -> None:
+    """BEAM_CASES through the engine equal HF's beam search, sequences and scores, in a pool
+    of 28 usable blocks of 4: each group fits alone, the five together do not, so beams
+    fork copy-on-write and groups are preempted."""
+    beam_prompts = sample_prompts(len(BEAM_CASES), 5, 20, vocab_size, seed=9)
     cases = list(zip(beam_prompts, BEAM_CASES, strict=True))
     expected = [hf_beam_search(hf, prompt, params) for prompt, params in cases]
-    # 28 usable blocks of 4: each group fits alone (the largest needs 20: 4 beams of 19
-    # tokens), the five together do not. Beams fork copy-on-write; groups are preempted.
     engine = LLMEngine(
         EngineConfig(
             model=folder,

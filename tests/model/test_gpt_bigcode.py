@@ -18,8 +18,7 @@ from octavo.engine.worker.models.gpt_bigcode import GPTBigCodeConfig, GPTBigCode
 from octavo.engine.worker.models.weights import DUMMY_PRESETS, load_model
 from tests.checkpoints import TinySpec, make_gpt_bigcode_checkpoint, sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
-from tests.engine.test_beam_search import hf_beam_search
-from tests.model.test_config_variants import BEAM_CASES
+from tests.model.test_config_variants import assert_beam_search_equals_transformers
 from tests.model.test_gpt2_parity import paged_logits
 
 # Four query heads: with multi_query they share one K/V head.
@@ -98,23 +97,7 @@ def test_greedy_with_chunked_prefill_preemption_and_prefix_caching(checkpoints, 
 
 @both_layouts
 def test_beam_search_equals_transformers(checkpoints, multi_query):
-    folder, hf = checkpoints(multi_query)
-    prompts = sample_prompts(len(BEAM_CASES), 5, 20, SPEC.vocab_size, seed=9)
-    cases = list(zip(prompts, BEAM_CASES, strict=True))
-    expected = [hf_beam_search(hf, prompt, params) for prompt, params in cases]
-    # 28 usable blocks of 4: each group fits alone (4 beams of up to 27 tokens need 28),
-    # the five together do not. Beams fork copy-on-write; groups are preempted.
-    engine = LLMEngine(
-        EngineConfig(
-            model=folder, device="cpu", dtype="float32", num_blocks=29, block_size=4,
-            max_model_len=SHORT_MAX_MODEL_LEN,
-        )
-    )  # fmt: skip
-    outputs = run_to_completion(engine, [c[0] for c in cases], [c[1] for c in cases])
-    for output, (sequences, scores) in zip(outputs, expected, strict=True):
-        assert [o.token_ids for o in output.outputs] == sequences
-        assert [o.score for o in output.outputs] == pytest.approx(scores, abs=1e-4)
-    assert engine.stats().num_preemptions > 0
+    assert_beam_search_equals_transformers(*checkpoints(multi_query), SPEC.vocab_size)
 
 
 def test_triton_backend_greedy_equals_transformers(checkpoints, pytestconfig):
