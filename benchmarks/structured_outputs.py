@@ -67,8 +67,14 @@ CONSTRAINTS = {
 }
 # Where the masked matchers stand: inside a JSON string, the costliest state to mask.
 JSON_PREFIX = '{"name":"Ada'
-# A schema no output finishes within the budget: every request runs to the length limit.
-LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4096}}}
+# A schema no output finishes within the budget: every request runs to the length limit
+# (its one key required and no other allowed: a model free to pick keys closes the object).
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 4096}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
 MASK_BATCHES = (1, 64, 256)
 MASK_REPEATS = 50
 COMPILE_REPEATS = 20
@@ -194,6 +200,8 @@ def engine_throughput(llm: LLM, args: argparse.Namespace) -> dict:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - start
             tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            if tokens != len(prompts) * args.output_len:  # the mixes would differ in work
+                raise RuntimeError(f"{name}: {tokens} tokens, not every request's max_tokens")
             rows[name]["runs"].append(tokens / wall)
     for row in rows.values():
         row["tokens_per_s"] = statistics.median(row["runs"])
