@@ -3,7 +3,7 @@
 The Triton interpreter that runs the kernels in CPU tests accepts code the GPU compiler
 rejects (tl.dot tiles under 16, mixed-width operands), and it cannot tell whether a kernel
 spills registers or needs more shared memory than a block may have. This module records
-the launches the real launchers make for GPT-2 shapes (each kernel is swapped for a
+the launches the real launchers make for GPT-2 and GPTBigCode shapes (each kernel is swapped for a
 recorder, so nothing runs), specializes every launch exactly as Triton's JIT would at that
 call, compiles it through Triton's NVIDIA pipeline down to a cubin with the ptxas shipped in
 the triton wheel, and reads the cubin's resource usage with cuobjdump. No driver is needed.
@@ -56,6 +56,9 @@ VECTOR_LOAD_PTX = r"\bld\.global(?:\.\w+)*\.v4\.b32|\bcp\.async\.cg\.shared\.glo
 # GPT-2 small, medium, large and xl: head_dim is 64 in all four.
 GPT2_HEAD_COUNTS = (12, 16, 20, 25)
 GPT2_HEAD_DIM = 64
+# GPTBigCode with multi-query attention at GPT-2 small's size: one K/V head for 12 query
+# heads (the grouped kernels' GROUP_SIZE 12).
+MULTI_QUERY_HEADS = 12
 # The engine's default block size, and a context that spans several blocks and decode splits.
 WORKLOAD_BLOCK_SIZE = 16
 WORKLOAD_CONTEXT = 1024
@@ -139,25 +142,27 @@ def recorded_launches() -> Iterator[list[KernelLaunch]]:
 
 
 def gpt2_workload() -> list[KernelLaunch]:
-    """The launches the triton attention backend makes for GPT-2 small to xl, in every dtype:
-    store_kv from strided views of the fused qkv projection, a mixed prefill + decode batch,
-    decode batches at every split factor, and copy-on-write copies over a small two-layer
-    cache and over one whose per-layer plane passes 2**31 elements."""
+    """The launches the triton attention backend makes for GPT-2 small to xl and a
+    multi-query GPTBigCode, in every dtype: store_kv from strided views of the fused qkv
+    projection, a mixed prefill + decode batch, decode batches at every split factor, and
+    copy-on-write copies over a small two-layer cache and over one whose per-layer plane
+    passes 2**31 elements."""
     with recorded_launches() as launches:
         for dtype in WORKLOAD_DTYPES:
             for num_heads in GPT2_HEAD_COUNTS:
-                _attention_launches(num_heads, dtype)
+                _attention_launches(num_heads, num_heads, dtype)
+            _attention_launches(MULTI_QUERY_HEADS, 1, dtype)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=8)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=LARGE_CACHE_BLOCKS)
     return launches
 
 
-def _attention_launches(num_heads: int, dtype: torch.dtype) -> None:
+def _attention_launches(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
     head_dim, block_size = GPT2_HEAD_DIM, WORKLOAD_BLOCK_SIZE
     blocks_per_seq = WORKLOAD_CONTEXT // block_size
     num_seqs = 4
     k_cache, v_cache = torch.zeros(
-        (2, num_seqs * blocks_per_seq + 1, block_size, num_heads, head_dim), dtype=dtype
+        (2, num_seqs * blocks_per_seq + 1, block_size, num_kv_heads, head_dim), dtype=dtype
     )
     block_tables = torch.arange(1, num_seqs * blocks_per_seq + 1, dtype=torch.int32).view(
         num_seqs, blocks_per_seq
@@ -165,28 +170,35 @@ def _attention_launches(num_heads: int, dtype: torch.dtype) -> None:
     scale = head_dim**-0.5
     # Mixed batch: one decode, then a 100-token chunk after 200 tokens of context.
     query_lens, seq_lens = [1, 100], [WORKLOAD_CONTEXT, 300]
-    _store_and_attend(k_cache, v_cache, block_tables[:2], query_lens, seq_lens, scale, None)
+    _store_and_attend(
+        k_cache, v_cache, num_heads, block_tables[:2], query_lens, seq_lens, scale, None
+    )
     for splits in WORKLOAD_SPLITS:
         decode_lens = [WORKLOAD_CONTEXT] * num_seqs
         _store_and_attend(
-            k_cache, v_cache, block_tables, [1] * num_seqs, decode_lens, scale, splits
+            k_cache, v_cache, num_heads, block_tables, [1] * num_seqs, decode_lens, scale, splits
         )
 
 
 def _store_and_attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    num_heads: int,
     block_tables: torch.Tensor,
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
     num_splits: int | None,
 ) -> None:
-    _, block_size, num_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = sum(query_lens)
-    # q, k, v as the model makes them: strided views of one [T, 3 * H * D] projection.
-    qkv = torch.zeros((num_tokens, 3 * num_heads * head_dim), dtype=k_cache.dtype)
-    q, k, v = (part.view(num_tokens, num_heads, head_dim) for part in qkv.chunk(3, dim=-1))
+    # q, k, v as the models make them: strided views of one [T, (H + 2 KV) * D] projection.
+    qkv = torch.zeros((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype=k_cache.dtype)
+    widths = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    q_part, k_part, v_part = qkv.split(widths, dim=-1)
+    q = q_part.view(num_tokens, num_heads, head_dim)
+    k = k_part.view(num_tokens, num_kv_heads, head_dim)
+    v = v_part.view(num_tokens, num_kv_heads, head_dim)
     slots = torch.arange(num_tokens, dtype=torch.int64) + block_size
     store_kv_module.store_kv(k, v, k_cache, v_cache, slots)
     cu_seqlens_q = torch.tensor(
