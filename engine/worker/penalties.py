@@ -43,10 +43,12 @@ class PenaltyCounts:
         counts[:old], seen[:old] = self.output_counts, self.seen
         self.output_counts, self.seen = counts, seen
 
-    def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """One more sample of `token_ids[i]` for the sequence in `slots[i]` (each slot once)."""
-        self.output_counts[slots, token_ids] += 1
-        self.seen[slots, token_ids] = True
+    def count(self, slots: np.ndarray, token_ids: torch.Tensor) -> None:
+        """One more sample of `token_ids[i]` (on the device) for the sequence in `slots[i]`
+        (each slot once)."""
+        at = (on_device(slots, token_ids.device), token_ids)
+        self.output_counts[at] += 1
+        self.seen[at] = True
 
     def apply(
         self,

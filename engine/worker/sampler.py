@@ -98,7 +98,7 @@ class Sampler:
         penalized = batch.penalized_rows
         if len(penalized):
             rows = on_device(penalized, sampled.device)
-            batch.penalties.count(on_device(batch.slots[penalized], sampled.device), sampled[rows])
+            batch.penalties.count(batch.slots[penalized], sampled[rows])
         if logprobs is None:
             return SampledTokens(sampled)
         out = SampledTokens(sampled, logprobs.gather(1, sampled[:, None]).squeeze(1))

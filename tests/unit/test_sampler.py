@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,7 +50,7 @@ def batch(states: list[SamplingState], vocab_size: int = len(PROBS)) -> Sampling
         for token in state.output_token_ids:
             earlier = columns.gather([state])
             if len(earlier.penalized_rows):
-                earlier.penalties.count(torch.tensor([state.slot]), torch.tensor([token]))
+                earlier.penalties.count(np.array([state.slot]), torch.tensor([token]))
     return columns.gather(states)
 
 
