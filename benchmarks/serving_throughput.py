@@ -21,7 +21,12 @@ streams of short prompts, one token per stream per step.
 Each system runs the whole workload once untimed, then --repeats times; the median run is
 reported, with every run's figure. Throughput = completion tokens (from the usage events;
 exactly num_requests x output_len when nothing failed) / wall time from the first request
-sent to the last stream's end.
+sent to the last stream's end. Where the time goes, per run:
+  - offline: host work per token, (wall - the model's forward and logits) / tokens, timed
+    around the model's `forward` and `compute_logits`;
+  - served: each server process's CPU time per token (`/proc`, Linux): the API process(es)
+    and the engine core, so that a figure this machine's noise moves can still be
+    attributed.
 
     .venv/bin/python benchmarks/serving_throughput.py --layers 6 --hidden 512
     .venv/bin/python benchmarks/serving_throughput.py --preset gpu-speed \
@@ -42,6 +47,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -175,10 +181,31 @@ def engine_flags(args: argparse.Namespace) -> dict:
     }
 
 
+class ForwardTimer:
+    """Wall time spent in a model's forward and logits (instance attributes shadow the two
+    methods for this model only)."""
+
+    def __init__(self, model: object):
+        self.seconds = 0.0
+        for name in ("forward", "compute_logits"):
+            setattr(model, name, self._timed(getattr(model, name)))
+
+    def _timed(self, method: Callable) -> Callable:
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
 def run_offline(
     model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
 ) -> dict:
-    """--repeats timed runs of the whole workload after one untimed one; the median run."""
+    """--repeats timed runs of the whole workload after one untimed one; the median run,
+    with its host work per token."""
     # On a GPU the served engine runs beside this one and sizes its KV cache from what the
     # device has free, so this engine takes only its share.
     share = {"gpu_memory_utilization": OFFLINE_GPU_SHARE} if args.device.startswith("cuda") else {}
@@ -188,14 +215,24 @@ def run_offline(
         SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         for _, output_len in requests
     ]
+    # On a GPU the forward returns before the device has run it: no host work to time there.
+    timer = None if args.device.startswith("cuda") else ForwardTimer(llm.engine.core.runner.model)
     runs = []
     for _ in range(args.repeats + 1):
+        if timer is not None:
+            timer.seconds = 0.0
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        runs.append({"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall})
-    return median_run(runs[1:])
+        run = {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
+        if timer is not None:
+            run["host_us_per_token"] = (wall - timer.seconds) / tokens * 1e6
+        runs.append(run)
+    median = median_run(runs[1:])
+    if timer is not None:
+        median["all_host_us_per_token"] = [r["host_us_per_token"] for r in runs[1:]]
+    return median
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -246,14 +283,48 @@ def run_served(
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     env.update(item.split("=", 1) for item in args.server_env)
-    with running_server(cmd, port, cwd=root, env=env):
+    with running_server(cmd, port, cwd=root, env=env) as server:
         sent = bodies(requests, stream)
         run_clients(port, sent)  # warm-up: the whole workload once, untimed
-        result = median_run(
-            [run_clients(port, sent, args.client_procs) for _ in range(args.repeats)]
-        )
+        runs = []
+        for _ in range(args.repeats):
+            before = process_tree_cpu(server.pid)
+            run = run_clients(port, sent, args.client_procs)
+            after = process_tree_cpu(server.pid)
+            run["cpu_us_per_token"] = {
+                name: (seconds - before.get(name, 0.0)) / run["completion_tokens"] * 1e6
+                for name, seconds in after.items()
+            }
+            runs.append(run)
+        result = median_run(runs)
     result["command"] = " ".join(cmd[1:])
     return result
+
+
+def process_tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by process `pid` ("main": the API process, or
+    the supervisor of several) and each of its descendants ("child <pid>": the engine core,
+    further API processes), from /proc (Linux; empty elsewhere)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU seconds)
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The command name, in parentheses, may hold spaces: fields follow the last ")".
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    tree, found = {pid}, True
+    while found:
+        children = {p for p, (parent, _) in stats.items() if parent in tree} - tree
+        tree |= children
+        found = bool(children)
+    return {("main" if p == pid else f"child {p}"): stats[p][1] for p in sorted(tree) if p in stats}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
             "served": {},
         }
         offline = result["offline"]["tokens_per_s"]
-        print(f"offline LLM.generate: {offline:,.0f} tok/s")
+        host = result["offline"].get("host_us_per_token")
+        print(
+            f"offline LLM.generate: {offline:,.0f} tok/s"
+            + ("" if host is None else f", host work {host:.1f} us/token")
+        )
         runs = [(mode, here, mode) for mode in args.modes]
         if args.before_root is not None:
             before = f"before@{git_commit(args.before_root)}"
@@ -291,10 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             served = run_served(model, requests, args, root, mode)
             served["kept_of_offline"] = served["tokens_per_s"] / offline
             result["served"][name] = served
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in served["cpu_us_per_token"].items())
             print(
                 f"served {name}: {served['tokens_per_s']:,.0f} tok/s "
                 f"({served['kept_of_offline']:.0%} of offline), failed {served['failed']}, "
-                f"client CPU {served['client_cpu_share_of_a_core']:.0%} of a core"
+                f"client CPU {served['client_cpu_share_of_a_core']:.0%} of a core; "
+                f"server CPU us/token: {cpu}"
             )
     write_result(args.result_file, result)
     return 0

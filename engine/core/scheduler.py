@@ -209,12 +209,12 @@ class Scheduler:
                     budget -= 1
                     index += 1
                     continue
-            self._num_running_seqs = None  # a fork, a finish or a preemption may follow
             seqs = group.unfinished_seqs
             if len(seqs) <= budget and self._decode_in_place(group, seqs, step):
                 budget -= len(seqs)
                 index += 1
                 continue
+            self._num_running_seqs = None  # a fork, a finish or a preemption may follow
             plan = self._plan(group, budget)
             while not self._fits(plan):
                 victim = self.running.pop()

@@ -19,10 +19,10 @@ from octavo.engine.frontend.core_client import (
     SharedCore,
 )
 from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
-from octavo.engine.frontend.output_processor import OutputProcessor
+from octavo.engine.frontend.output_processor import OutputProcessor, RequestState
 from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.frontend.tokenizer import Tokenizer, load_tokenizer
-from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,35 +49,39 @@ class RequestFailedError(RuntimeError):
 class _OutputStream:
     """One request's outputs on their way to its consumer (vLLM's RequestOutputCollector).
 
-    At most one item waits: a DELTA output that arrives before the consumer took the previous
-    one is merged into it (a slow reader gets one output for several steps, and merging
-    costs only the new tokens); a cumulative or final output replaces it; an error replaces
-    anything.
+    Holds no output, only whether one is due: the output is built from the request's state
+    when the consumer takes it (`OutputProcessor.build`), so a consumer that falls behind
+    gets one output for every step since it last read, built once. An error replaces
+    anything, and ends the stream.
     """
 
-    def __init__(self, kind: RequestOutputKind | None):
-        self._merge = kind is RequestOutputKind.DELTA
-        self._item: RequestOutput | BaseException | None = None
+    def __init__(self, build: Callable[[RequestState], RequestOutput | None]):
+        self._build = build
+        self._due: RequestState | None = None
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        pending = self._item
-        if isinstance(pending, BaseException):
-            return  # the stream ends with its error, whatever comes after it
-        if self._merge and isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
-            pending.add(item)
-        else:
-            self._item = item
+    def put(self, state: RequestState) -> None:
+        """An output of the request is due."""
+        self._due = state
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
         self._ready.set()
 
     async def get(self) -> RequestOutput:
-        await self._ready.wait()
-        item, self._item = self._item, None
-        self._ready.clear()
-        if isinstance(item, BaseException):
-            raise item
-        assert item is not None
-        return item
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            if self._error is not None:
+                raise self._error
+            state, self._due = self._due, None
+            assert state is not None
+            output = self._build(state)
+            if output is not None:
+                return output
 
 
 class AsyncEngine:
@@ -88,8 +92,8 @@ class AsyncEngine:
     (`OutputProcessor`), and the streams. Everything bound for the core in one loop iteration
     (requests, aborts, stop-string sample aborts) travels as one message, applied before the
     core's next step, so an abort frees its blocks within one step; each step's outputs come
-    back as one message. A stream's consumer that falls behind gets its pending deltas merged
-    into one output (`_OutputStream`).
+    back as one message. A stream's output is built when its consumer takes it, so one that
+    falls behind gets everything since it last read in one output (`_OutputStream`).
     """
 
     def __init__(
@@ -237,8 +241,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_waiting >= self.max_num_waiting:
             raise QueueFullError(f"{self.max_num_waiting} requests are already waiting")
-        kind = params.output_kind if isinstance(params, SamplingParams) else None
-        stream = _OutputStream(kind)
+        stream = _OutputStream(self.output_processor.build)
         self._streams[request_id] = stream
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time
@@ -293,24 +296,25 @@ class AsyncEngine:
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         self._stats = outputs.stats
-        processed = self.output_processor.process(outputs.outputs)
-        for output in processed.request_outputs:
-            stream = self._streams.get(output.request_id)
+        updated = self.output_processor.update(outputs.outputs)
+        streams = self._streams
+        for state in updated.ready:
+            stream = streams.get(state.request_id)
             if stream is None:
                 continue
-            if output.error is not None:
-                stream.put(RequestFailedError(output.error))
+            if state.error is not None:
+                stream.fail(RequestFailedError(state.error))
             else:
-                stream.put(output)
-        if processed.sample_aborts or processed.aborts:
-            self._pending.sample_aborts.extend(processed.sample_aborts)
-            self._pending.aborts.extend(processed.aborts)
+                stream.put(state)
+        if updated.sample_aborts or updated.aborts:
+            self._pending.sample_aborts.extend(updated.sample_aborts)
+            self._pending.aborts.extend(updated.aborts)
             self._schedule_flush()
 
     def _on_death(self, exc: BaseException) -> None:
         self._dead = exc
         for request_id, stream in self._streams.items():
-            stream.put(EngineStoppedError(f"the engine core died: {exc}"))
+            stream.fail(EngineStoppedError(f"the engine core died: {exc}"))
             self.output_processor.forget(request_id)
         if self._fatal_handler is not None:
             self._fatal_handler(exc)

@@ -12,6 +12,12 @@ must never reach the client.
 A stream (DELTA) may ask for fewer, larger outputs: with `stream_interval` N a sample's first
 token comes out at once, then once N more tokens have gathered, and its finish flushes what
 is left (vLLM's --stream-interval). The deltas concatenate to the same output either way.
+
+Applying a step (`update`) and building outputs (`build`) are apart: `update` only says which
+requests have an output due, and the RequestOutput is built when its consumer takes it. A
+server's stream whose client reads slower than the engine steps then gets one output holding
+every step since it last read, built once, instead of an output per step merged later.
+`process` does both at once (the offline engine).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class _SampleState:
     text_end: int | None = None  # where a matched stop string cut the text
     sent_tokens: int = 0
     sent_chars: int = 0
+    finish_sent: bool = False  # DELTA: an output carried its finish
 
     @property
     def text(self) -> str:
@@ -57,13 +64,26 @@ class _SampleState:
 
     def visible_end(self, holdback: int) -> int:
         """How much of the text may be shown: all once finished, else all but the holdback."""
+        end = len(self.detokenizer.text) if self.text_end is None else self.text_end
         if self.finish_reason is not None:
-            return len(self.text)
-        return max(len(self.text) - holdback, self.sent_chars)
+            return end
+        return max(end - holdback, self.sent_chars)
+
+    @property
+    def unsent(self) -> bool:
+        """DELTA: whether tokens or the finish of this sample have not been output yet."""
+        return len(self.token_ids) > self.sent_tokens or (
+            self.finish_reason is not None and not self.finish_sent
+        )
 
 
-@dataclass
-class _RequestState:
+@dataclass(eq=False)
+class RequestState:
+    """One unfinished request's front-end state, and the handle `update` gives out for a
+    request whose output is due (read `request_id` and `error`; build the output with
+    `OutputProcessor.build`). A finished request's state outlives its place in the
+    processor until its last output is built."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -82,6 +102,12 @@ class _RequestState:
     prompt_token_ranks: list[int | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
     num_cached_tokens: int | None = None
+    # Set once the request ended: when, how (an error message), and a beam search's result.
+    finished: bool = False
+    finished_time: float | None = None
+    error: str | None = None
+    beams: list[BeamResult] | None = None
+    failed: bool = False  # its outputs could not be built: the final output is the error alone
 
     @property
     def all_samples_finished(self) -> bool:
@@ -91,9 +117,19 @@ class _RequestState:
 
 
 @dataclass
+class UpdatedRequests:
+    """What one batch of core outputs changed: the requests with an output due (to `build`),
+    and what the core must stop (samples that hit a stop string; requests whose outputs
+    could not be built)."""
+
+    ready: list[RequestState] = field(default_factory=list)
+    sample_aborts: list[SampleAbort] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ProcessedOutputs:
-    """What one batch of core outputs gave: RequestOutputs to deliver, and what the core must
-    stop (samples that hit a stop string; requests whose outputs could not be built)."""
+    """`UpdatedRequests` with the due outputs built (`OutputProcessor.process`)."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     sample_aborts: list[SampleAbort] = field(default_factory=list)
@@ -109,7 +145,7 @@ class OutputProcessor:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
 
     def add_request(
         self,
@@ -126,7 +162,7 @@ class OutputProcessor:
         else:
             kind = params.output_kind
         text_at_end = kind is RequestOutputKind.FINAL_ONLY and not stops
-        state = _RequestState(
+        state = RequestState(
             request_id, prompt, prompt_token_ids, params, arrival_time, holdback, kind, text_at_end
         )
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
@@ -145,31 +181,93 @@ class OutputProcessor:
         return len(self._requests)
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Applies one step's core outputs. Outputs of unknown (finished, forgotten) requests
-        are ignored; a request whose output cannot be built fails alone."""
-        result = ProcessedOutputs()
+        """`update` with every due output built at once."""
+        updated = self.update(outputs)
+        built = [self.build(state) for state in updated.ready]
+        return ProcessedOutputs(
+            [output for output in built if output is not None],
+            updated.sample_aborts,
+            updated.aborts,
+        )
+
+    def update(self, outputs: list[EngineCoreOutput]) -> UpdatedRequests:
+        """Applies one step's core outputs; returns the requests with an output due. Outputs
+        of unknown (finished, forgotten) requests are ignored; a request whose outputs cannot
+        be applied fails alone (its output is then the error)."""
+        result = UpdatedRequests()
+        now = time.monotonic()
         for output in outputs:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue
             try:
-                request_output = self._process_one(state, output, result.sample_aborts)
+                due = self._update_one(state, output, result.sample_aborts, now)
             except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                 logger.error("request %s failed", state.request_id, exc_info=exc)
                 del self._requests[state.request_id]
                 if not output.finished:
                     result.aborts.append(state.request_id)
-                request_output = self._failed(state, f"{type(exc).__name__}: {exc}")
-            if request_output is not None:
-                result.request_outputs.append(request_output)
+                state.finished, state.failed = True, True
+                state.error = f"{type(exc).__name__}: {exc}"
+                due = True
+            if due:
+                result.ready.append(state)
         return result
+
+    def build(self, state: RequestState) -> RequestOutput | None:
+        """The output of a request `update` found due: for a stream (DELTA), what its samples
+        gained since the previous one (None if nothing is due any more); else the whole
+        output so far. Call once per taking: building a delta marks it sent."""
+        if state.failed:
+            return self._failed(state)
+        if state.beams is not None:
+            return self._beam_output(state, state.beams)
+        kind = state.output_kind
+        finished = state.finished
+        if kind is RequestOutputKind.DELTA:
+            samples = [s for s in state.samples.values() if s.unsent and self._due(s)]
+            if not samples and not finished:
+                return None
+            if len(samples) > 1:
+                samples.sort(key=_by_index)
+            completions = [self._delta(state, s) for s in samples]
+        elif kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        else:
+            completions = [
+                self._whole(state, s) for s in sorted(state.samples.values(), key=_by_index)
+            ]
+            if isinstance(state.params, SamplingParams) and state.params.ranks_samples:
+                completions = _best(completions, state.params.n)
+        prompt_logprobs, ranks = state.prompt_logprobs, state.prompt_token_ranks
+        if kind is RequestOutputKind.DELTA:
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = ranks = None
+            state.prompt_logprobs_sent = True
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            self._metrics(state) if finished else None,
+            state.error,
+            prompt_logprobs,
+            ranks,
+            state.num_cached_tokens,
+        )
 
     # -- one request -------------------------------------------------------------------------
 
-    def _process_one(
-        self, state: _RequestState, output: EngineCoreOutput, sample_aborts: list[SampleAbort]
-    ) -> RequestOutput | None:
-        now = time.monotonic()
+    def _update_one(
+        self,
+        state: RequestState,
+        output: EngineCoreOutput,
+        sample_aborts: list[SampleAbort],
+        now: float,
+    ) -> bool:
+        """Applies one request's core output, received at `now`; returns whether an output
+        of it is due."""
         if output.first_scheduled_time is not None:
             state.first_scheduled_time = output.first_scheduled_time
         if output.first_token_time is not None and state.first_token_time is None:
@@ -181,7 +279,8 @@ class OutputProcessor:
             assert state.prompt_token_ranks is not None
             state.prompt_logprobs += chunk.logprobs
             state.prompt_token_ranks += chunk.ranks
-        progressed: list[_SampleState] = []
+        kind = state.output_kind
+        due = False
         any_sample_finished = False
         for delta in output.samples:
             sample = self._sample(state, delta.index)
@@ -197,48 +296,21 @@ class OutputProcessor:
                 any_sample_finished = True
                 if delta.finish_reason is None:
                     sample_aborts.append(SampleAbort(state.request_id, sample.index))
-            progressed.append(sample)
-        finished = output.finished or (any_sample_finished and state.all_samples_finished)
-        if finished:
-            del self._requests[state.request_id]
-            if output.beams is not None:
-                return self._beam_output(state, output.beams, output.error, now)
-            progressed += self._end_unfinished(state, output.error)
-        kind = state.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        if kind is RequestOutputKind.DELTA:
-            progressed = [s for s in progressed if self._due(s)]
-        if not progressed and not finished:
-            return None
-        if kind is RequestOutputKind.DELTA:
-            completions = [self._delta(state, s) for s in sorted(progressed, key=_by_index)]
-        else:
-            completions = [
-                self._whole(state, s) for s in sorted(state.samples.values(), key=_by_index)
-            ]
-            if isinstance(state.params, SamplingParams) and state.params.ranks_samples:
-                completions = _best(completions, state.params.n)
-        metrics = self._metrics(state, now) if finished else None
-        prompt_logprobs, ranks = state.prompt_logprobs, state.prompt_token_ranks
-        if kind is RequestOutputKind.DELTA:
-            if state.prompt_logprobs_sent:
-                prompt_logprobs = ranks = None
-            state.prompt_logprobs_sent = True
-        return RequestOutput(
-            state.request_id,
-            state.prompt,
-            state.prompt_token_ids,
-            completions,
-            finished,
-            metrics,
-            output.error if finished else None,
-            prompt_logprobs,
-            ranks,
-            state.num_cached_tokens,
-        )
+            if kind is RequestOutputKind.CUMULATIVE or (
+                kind is RequestOutputKind.DELTA and self._due(sample)
+            ):
+                due = True
+        if not (output.finished or (any_sample_finished and state.all_samples_finished)):
+            return due
+        del self._requests[state.request_id]
+        state.finished, state.finished_time = True, now
+        state.error = output.error
+        state.beams = output.beams
+        if output.beams is None:
+            self._end_unfinished(state, output.error)
+        return True
 
-    def _sample(self, state: _RequestState, index: int) -> _SampleState:
+    def _sample(self, state: RequestState, index: int) -> _SampleState:
         sample = state.samples.get(index)
         if sample is None:
             params = state.params
@@ -251,7 +323,7 @@ class OutputProcessor:
         return sample
 
     @staticmethod
-    def _append(state: _RequestState, sample: _SampleState, delta: SampleDelta) -> None:
+    def _append(state: RequestState, sample: _SampleState, delta: SampleDelta) -> None:
         """`_apply` for text_at_end: appends a delta's tokens undecoded; the core's finish
         applies, and the whole text is decoded then, as `_apply` would have built it."""
         sample.cumulative_logprob = delta.cumulative_logprob
@@ -264,12 +336,23 @@ class OutputProcessor:
             sample.stop_reason = delta.stop_reason
             sample.detokenizer.flush(_without_stop_token(sample, state.params))
 
-    def _apply(self, state: _RequestState, sample: _SampleState, delta: SampleDelta) -> None:
+    def _apply(self, state: RequestState, sample: _SampleState, delta: SampleDelta) -> None:
         """Appends a delta's tokens, matching stop strings token by token; the core's own
         finish (a token rule) applies unless a stop string ended the sample first."""
         params = state.params
         assert isinstance(params, SamplingParams)
         sample.cumulative_logprob = delta.cumulative_logprob
+        if not params.stop_strings:  # nothing to match: the tokens' text in one step
+            sample.token_ids += delta.new_token_ids
+            if sample.want_logprobs and delta.new_logprobs is not None:
+                sample.logprobs += delta.new_logprobs
+            if delta.finish_reason is None:
+                sample.detokenizer.step(sample.token_ids)
+            else:  # (flushing steps too, leaving out a stop token's text)
+                sample.finish_reason = delta.finish_reason
+                sample.stop_reason = delta.stop_reason
+                sample.detokenizer.flush(_without_stop_token(sample, params))
+            return
         num_tokens = len(delta.new_token_ids)
         for i, token_id in enumerate(delta.new_token_ids):
             sample.token_ids.append(token_id)
@@ -280,12 +363,7 @@ class OutputProcessor:
             if stop_token and not params.include_stop_str_in_output:
                 break  # a stop token's own text is not part of the output
             new_text = sample.detokenizer.step(sample.token_ids)
-            if (
-                params.stop_strings
-                and new_text
-                and len(sample.token_ids) >= params.min_tokens
-                and not stop_token
-            ):
+            if new_text and len(sample.token_ids) >= params.min_tokens and not stop_token:
                 match = find_stop_string(
                     sample.detokenizer.text,
                     len(new_text),
@@ -311,10 +389,9 @@ class OutputProcessor:
             or len(sample.token_ids) - sample.sent_tokens >= self.stream_interval
         )
 
-    def _end_unfinished(self, state: _RequestState, error: str | None) -> list[_SampleState]:
+    def _end_unfinished(self, state: RequestState, error: str | None) -> None:
         """Gives every sample still open at the request's end (never started: a request
         aborted before its prompt forked into n samples) the request's end."""
-        ended = []
         reason = "error" if error is not None else "abort"
         for index in range(state.params.num_sequences):
             sample = self._sample(state, index)
@@ -322,29 +399,29 @@ class OutputProcessor:
                 sample.finish_reason = reason
                 if state.text_at_end:
                     sample.detokenizer.step(sample.token_ids)
-                ended.append(sample)
-        return ended
 
-    def _delta(self, state: _RequestState, sample: _SampleState) -> CompletionOutput:
+    def _delta(self, state: RequestState, sample: _SampleState) -> CompletionOutput:
         end = sample.visible_end(state.holdback)
+        sent_tokens = sample.sent_tokens
         completion = CompletionOutput(
             index=sample.index,
-            text=sample.text[sample.sent_chars : end],
-            token_ids=sample.token_ids[sample.sent_tokens :],
+            text=sample.detokenizer.text[sample.sent_chars : end],
+            token_ids=sample.token_ids[sent_tokens:],
             cumulative_logprob=sample.cumulative_logprob,
-            logprobs=sample.logprobs[sample.sent_tokens :] if sample.want_logprobs else None,
+            logprobs=sample.logprobs[sent_tokens:] if sample.want_logprobs else None,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
         )
         sample.sent_chars = end
         sample.sent_tokens = len(sample.token_ids)
+        sample.finish_sent = sample.finish_reason is not None
         return completion
 
     @staticmethod
-    def _whole(state: _RequestState, sample: _SampleState) -> CompletionOutput:
+    def _whole(state: RequestState, sample: _SampleState) -> CompletionOutput:
         return CompletionOutput(
             index=sample.index,
-            text=sample.text[: sample.visible_end(state.holdback)],
+            text=sample.detokenizer.text[: sample.visible_end(state.holdback)],
             token_ids=list(sample.token_ids),
             cumulative_logprob=sample.cumulative_logprob,
             logprobs=list(sample.logprobs) if sample.want_logprobs else None,
@@ -352,9 +429,7 @@ class OutputProcessor:
             stop_reason=sample.stop_reason,
         )
 
-    def _beam_output(
-        self, state: _RequestState, beams: list[BeamResult], error: str | None, now: float
-    ) -> RequestOutput:
+    def _beam_output(self, state: RequestState, beams: list[BeamResult]) -> RequestOutput:
         skip = state.params.skip_special_tokens
         completions = [
             CompletionOutput(
@@ -374,23 +449,24 @@ class OutputProcessor:
             state.prompt_token_ids,
             completions,
             True,
-            self._metrics(state, now),
-            error,
+            self._metrics(state),
+            state.error,
             num_cached_tokens=state.num_cached_tokens,
         )
 
     @staticmethod
-    def _failed(state: _RequestState, error: str) -> RequestOutput:
-        """The final output of a request whose outputs could not be built."""
+    def _failed(state: RequestState) -> RequestOutput:
+        """The final output of a request whose outputs could not be applied."""
         return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, [], True, None, error
+            state.request_id, state.prompt, state.prompt_token_ids, [], True, None, state.error
         )
 
     @staticmethod
-    def _metrics(state: _RequestState, now: float) -> RequestMetrics:
+    def _metrics(state: RequestState) -> RequestMetrics:
         return RequestMetrics(
-            state.arrival_time, state.first_scheduled_time, state.first_token_time, now
-        )
+            state.arrival_time, state.first_scheduled_time, state.first_token_time,
+            state.finished_time,
+        )  # fmt: skip
 
 
 def _by_index(sample: _SampleState) -> int:

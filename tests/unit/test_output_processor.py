@@ -228,3 +228,49 @@ def merged_outputs(outputs: list[RequestOutput]):
     for output in copy.deepcopy(outputs):
         merged.add(output)
     return merged.outputs
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_outputs_built_late_hold_every_step_since_the_last_build(tokenizer, interval):
+    """A consumer behind the engine: steps applied with `update` and built only every
+    fourth step give fewer outputs, which concatenate to exactly what building after every
+    step gives (n = 2, logprobs, a stop string split across tokens, a stream interval);
+    right after a build nothing is due."""
+    ids = tokenizer.encode(TEXT)
+
+    def outputs_built_every(every: int) -> list[RequestOutput]:
+        processor = OutputProcessor(tokenizer, interval)
+        params = SamplingParams(
+            n=2, max_tokens=len(ids), stop=["日本"], logprobs=0, output_kind=DELTA
+        )
+        processor.add_request("r", None, [1], params, 0.0)
+        built, due = [], None
+        for i, token in enumerate(ids):
+            finish = "length" if i == len(ids) - 1 else None
+            other = ids[-1 - i]  # sample 1 decodes the text backwards: it never stops early
+            deltas = [
+                SampleDelta(k, [t], -float(i), [{t: -1.0}], finish)
+                for k, t in enumerate((token, other))
+            ]
+            updated = processor.update([EngineCoreOutput("r", deltas, finished=bool(finish))])
+            assert len(updated.ready) <= 1
+            due = updated.ready[0] if updated.ready else due
+            if due is not None and (i % every == every - 1 or due.finished):
+                output = processor.build(due)
+                assert output is not None
+                built.append(output)
+                if not due.finished:
+                    assert processor.build(due) is None
+                due = None
+            if processor.num_unfinished_requests == 0:
+                break
+        assert built[-1].finished and not any(o.finished for o in built[:-1])
+        return built
+
+    every_step, late = outputs_built_every(1), outputs_built_every(4)
+    assert len(late) < len(every_step)
+    for field in ("text", "token_ids", "logprobs", "finish_reason", "stop_reason"):
+        assert [getattr(c, field) for c in merged_outputs(late)] == [
+            getattr(c, field) for c in merged_outputs(every_step)
+        ]
+    assert merged_outputs(late)[0].text == TEXT[: TEXT.index("日本")]

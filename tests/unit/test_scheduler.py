@@ -180,3 +180,25 @@ def test_parallel_samples_fork_off_the_prompt_and_share_its_blocks():
         step(scheduler, bm)
     assert all(s.num_output_tokens == 4 for s in group.seqs)
     assert bm.num_free_blocks == 15
+
+
+def test_the_cached_running_count_equals_a_recount_through_forks_preemption_and_ends():
+    """`num_running_seqs` is kept between steps (admission reads it): after every step of a
+    mix of n > 1 forks, preemptions (few blocks), block-boundary decodes, finishes and an
+    abort it equals a recount, and admission never runs more than max_num_seqs."""
+    scheduler, bm = make_scheduler(num_blocks=10, block_size=4, budget=16, max_num_seqs=6)
+    for i, (prompt_len, n, max_tokens) in enumerate(
+        [(5, 1, 9), (3, 3, 6), (7, 1, 12), (2, 2, 10), (6, 1, 5), (4, 1, 14)]
+    ):
+        add(scheduler, f"r{i}", prompt_len, n=n, max_tokens=max_tokens, seed=i)
+    preempted = 0
+    for index in range(200):
+        if not scheduler.has_unfinished():
+            break
+        if index == 6:
+            scheduler.abort("r2")
+        out = step(scheduler, bm)
+        preempted += len(out.preempted)
+        recount = sum(g.num_unfinished_seqs for g in scheduler.running)
+        assert scheduler.num_running_seqs == recount <= 6
+    assert not scheduler.has_unfinished() and preempted > 0
