@@ -35,12 +35,20 @@ def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_pat
     tokens = result["offline"]["completion_tokens"]
     assert 6 * 5 <= tokens <= 6 * 9  # each request's length drawn from 5-9
     assert set(result["served"]) == {"streamed", "inprocess", "unstreamed", "interval8"}
-    offline_rate = result["offline"]["tokens_per_s"]
-    assert offline_rate == pytest.approx(tokens / result["offline"]["wall_s"])
+    offline = result["offline"]
+    offline_rate = offline["tokens_per_s"]
+    assert offline_rate == pytest.approx(tokens / offline["wall_s"])
+    # Host work: the wall time less the model's, so above 0 and below the whole.
+    assert 0 < offline["host_us_per_token"] < offline["wall_s"] / tokens * 1e6
+    assert offline["host_us_per_token"] in offline["all_host_us_per_token"]
     for mode, served in result["served"].items():
         assert served["failed"] == 0 and served["completion_tokens"] == tokens, mode
         assert served["tokens_per_s"] == pytest.approx(tokens / served["wall_s"]), mode
         assert served["kept_of_offline"] == pytest.approx(served["tokens_per_s"] / offline_rate)
+        # The API process, and the engine core process it started (inprocess: none).
+        cpu = served["cpu_us_per_token"]
+        assert "main" in cpu and min(cpu.values()) >= 0
+        assert (mode != "inprocess") == any(name.startswith("child") for name in cpu), mode
     assert result["commit"] == short_commit()
     assert result["served"]["unstreamed"]["events"] == 0
     # Per stream at interval 8: the first token, the rest (at most 8), usage and [DONE].
