@@ -79,7 +79,7 @@ class _SampleState:
 
 @dataclass(eq=False)
 class RequestState:
-    """One unfinished request's front-end state, and the handle `update` gives out for a
+    """One request's front-end state, and the handle `update` gives out for a
     request whose output is due (read `request_id` and `error`; build the output with
     `OutputProcessor.build`). A finished request's state outlives its place in the
     processor until its last output is built."""
@@ -107,7 +107,7 @@ class RequestState:
     finished_time: float | None = None
     error: str | None = None
     beams: list[BeamResult] | None = None
-    failed: bool = False  # its outputs could not be built: the final output is the error alone
+    failed: bool = False  # its outputs could not be applied: the final output is the error alone
 
     @property
     def all_samples_finished(self) -> bool:
@@ -120,7 +120,7 @@ class RequestState:
 class UpdatedRequests:
     """What one batch of core outputs changed: the requests with an output due (to `build`),
     and what the core must stop (samples that hit a stop string; requests whose outputs
-    could not be built)."""
+    could not be applied)."""
 
     ready: list[RequestState] = field(default_factory=list)
     sample_aborts: list[SampleAbort] = field(default_factory=list)
