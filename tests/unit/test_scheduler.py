@@ -196,7 +196,7 @@ def test_the_cached_running_count_equals_a_recount_through_forks_preemption_and_
         if not scheduler.has_unfinished():
             break
         if index == 6:
-            scheduler.abort("r2")
+            assert scheduler.abort("r2") is not None
         out = step(scheduler, bm)
         preempted += len(out.preempted)
         recount = sum(g.num_unfinished_seqs for g in scheduler.running)
