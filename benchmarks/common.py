@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 import traceback
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +66,34 @@ def default_result_file(benchmark: str, device: str, preset: str | None) -> Path
         return RESULTS_DIR / f"{benchmark}_cpu.json"
     gpu = torch.cuda.get_device_name(torch.device(device)).lower().replace(" ", "_")
     return RESULTS_DIR / f"{benchmark}_{preset or 'custom'}_{gpu}.json"
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+class PhaseTimer:
+    """Accumulates the wall time of wrapped calls per label (on CUDA the device is synced
+    around each call, so its work counts); clear `totals` between measurements."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, label: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.totals[label] += time.perf_counter() - start
+
+        return timed
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 # -- the dummy model ------------------------------------------------------------------------

@@ -35,8 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -46,7 +44,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.common import git_commit
+from octavo.benchmarks.common import PhaseTimer, git_commit
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
@@ -76,30 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--measure-only", action="store_true",
                         help="print results as JSON (for --before-root)")  # fmt: skip
     return parser.parse_args(argv)
-
-
-class PhaseTimer:
-    """Accumulates wall time per phase label over one engine step."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.totals: dict[str, float] = defaultdict(float)
-
-    def wrap(self, label: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            self.sync()
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                self.totals[label] += time.perf_counter() - start
-
-        return timed
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def instrument(core: EngineCore, timer: PhaseTimer) -> None:

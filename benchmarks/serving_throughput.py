@@ -47,7 +47,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -55,7 +54,9 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import git_commit, write_result
+import torch
+
+from octavo.benchmarks.common import PhaseTimer, git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES
@@ -181,26 +182,6 @@ def engine_flags(args: argparse.Namespace) -> dict:
     }
 
 
-class ForwardTimer:
-    """Wall time spent in a model's forward and logits (instance attributes shadow the two
-    methods for this model only)."""
-
-    def __init__(self, model: object):
-        self.seconds = 0.0
-        for name in ("forward", "compute_logits"):
-            setattr(model, name, self._timed(getattr(model, name)))
-
-    def _timed(self, method: Callable) -> Callable:
-        def timed(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed
-
-
 def run_offline(
     model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
 ) -> dict:
@@ -216,18 +197,22 @@ def run_offline(
         for _, output_len in requests
     ]
     # On a GPU the forward returns before the device has run it: no host work to time there.
-    timer = None if args.device.startswith("cuda") else ForwardTimer(llm.engine.core.runner.model)
+    timer = None
+    if not args.device.startswith("cuda"):
+        timer, model = PhaseTimer(torch.device(args.device)), llm.engine.core.runner.model
+        model.forward = timer.wrap("forward", model.forward)
+        model.compute_logits = timer.wrap("forward", model.compute_logits)
     runs = []
     for _ in range(args.repeats + 1):
         if timer is not None:
-            timer.seconds = 0.0
+            timer.totals.clear()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         run = {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
         if timer is not None:
-            run["host_us_per_token"] = (wall - timer.seconds) / tokens * 1e6
+            run["host_us_per_token"] = (wall - timer.totals["forward"]) / tokens * 1e6
         runs.append(run)
     median = median_run(runs[1:])
     if timer is not None:

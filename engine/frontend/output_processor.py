@@ -58,10 +58,6 @@ class _SampleState:
     sent_chars: int = 0
     finish_sent: bool = False  # DELTA: an output carried its finish
 
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text[: self.text_end]
-
     def visible_end(self, holdback: int) -> int:
         """How much of the text may be shown: all once finished, else all but the holdback."""
         end = len(self.detokenizer.text) if self.text_end is None else self.text_end
