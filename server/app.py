@@ -37,6 +37,7 @@ from octavo.server.serving_chat import ChatServing
 from octavo.server.serving_completion import CompletionServing
 from octavo.server.serving_engine import ServerConfig
 from octavo.server.serving_tokenization import TokenizationServing
+from octavo.server.streaming import OuterSend
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="Octavo", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-    if config.allowed_hosts is not None:  # outermost: a foreign Host gets nothing else
+    if config.allowed_hosts is not None:  # a foreign Host gets nothing else
         app.add_middleware(HostCheck, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(OuterSend)  # outermost of ours
     app.state.engine = engine
 
     async def check_api_key(request: Request) -> None:

@@ -52,33 +52,44 @@ class _OutputStream:
     Holds no output, only whether one is due: the output is built from the request's state
     when the consumer takes it (`OutputProcessor.build`), so a consumer that falls behind
     gets one output for every step since it last read, built once. An error replaces
-    anything, and ends the stream.
+    anything, and ends the stream. The consumer waits on a bare future, made only when
+    nothing is due (asyncio.Event makes one per wait too, behind a lock-like wrapper that
+    every event would pay for).
     """
 
     def __init__(self, build: Callable[[RequestState], RequestOutput | None]):
         self._build = build
         self._due: RequestState | None = None
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, state: RequestState) -> None:
         """An output of the request is due."""
         self._due = state
-        self._ready.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a cancelled consumer's future is done already
+                waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         while True:
-            await self._ready.wait()
-            self._ready.clear()
             if self._error is not None:
                 raise self._error
-            state, self._due = self._due, None
-            assert state is not None
+            state = self._due
+            if state is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+                continue
+            self._due = None
             output = self._build(state)
             if output is not None:
                 return output

@@ -12,7 +12,16 @@ import pytest
 from tests.server.conftest import MODEL_NAME
 from tests.server.inprocess.conftest import InProcessServer
 
-INTERVAL = 4
+INTERVAL = 6
+
+
+def first_token_at_once(sizes: list[int]) -> bool:
+    """Whether a stream's first event came before the interval filled up: one token, or a
+    few more when the in-process client read a step or two behind the engine (a lagging
+    reader gets every step since it last read in one event). A server that held the first
+    token back would send it with INTERVAL tokens at least. The output processor's tests show
+    the first output is due after exactly one token."""
+    return 1 <= sizes[0] < INTERVAL
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,7 @@ def test_completions_concatenate_to_the_unbatched_stream(unbatched, batched):
 
             assert joined(fewer) == joined(every)
         sizes = [len(t) for t in per_choice(fewer[:-1], completion_tokens)[index]]
-        assert sizes[0] == 1  # the first token goes at once
+        assert first_token_at_once(sizes)
         assert all(size >= INTERVAL for size in sizes[1:-1]) and sum(sizes) == 14
 
 
@@ -113,5 +122,6 @@ def test_chat_concatenates_to_the_unbatched_stream(unbatched, batched):
     ]
     assert sum(logprobs[1], []) == sum(logprobs[0], [])
     sizes = [len(entries) for entries in logprobs[1]]
-    assert sizes[0] == 1 and all(size >= INTERVAL for size in sizes[1:-1]) and sum(sizes) == 13
+    assert first_token_at_once(sizes)
+    assert all(size >= INTERVAL for size in sizes[1:-1]) and sum(sizes) == 13
     assert len(fewer) < len(every)
