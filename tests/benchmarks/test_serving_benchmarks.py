@@ -81,3 +81,16 @@ def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path)
     # Two groups of two sharing a 64-token prefix (four 16-token blocks): routed by it, each
     # group's second request finds all of it cached.
     assert prefix["failed"] == 0 and prefix["cached_prompt_tokens"] == 2 * 64
+
+
+def test_stream_path_times_every_window_of_every_run(tmp_path):
+    result = run(
+        "stream_path.py", tmp_path / "p.json", "--streams", "3", "--warmup-steps", "2",
+        "--window-steps", "2", "--windows", "3", "--repeats", "2",
+    )  # fmt: skip
+    ((name, now),) = result["checkouts"].items()
+    assert name == f"now@{short_commit()}"
+    # Every stream wrote one event per step: 2 warm-up steps and 3 windows of 2, twice.
+    assert now["events_per_run"] == [3 * (2 + 3 * 2)] * 2
+    assert len(now["median_window_us_per_event"]) == 2
+    assert now["best_us_per_event"] == min(now["fastest_window_us_per_event"]) > 0
