@@ -53,8 +53,8 @@ class _OutputStream:
     when the consumer takes it (`OutputProcessor.build`), so a consumer that falls behind
     gets one output for every step since it last read, built once. An error replaces
     anything, and ends the stream. The consumer waits on a bare future, made only when
-    nothing is due (asyncio.Event makes one per wait too, behind a lock-like wrapper that
-    every event would pay for).
+    nothing is due: asyncio.Event makes a future per wait too, and adds a loop-binding
+    check and a waiter deque to every wait and set, which every event would pay for.
     """
 
     def __init__(self, build: Callable[[RequestState], RequestOutput | None]):
