@@ -197,6 +197,9 @@ class MultiprocessCoreClient(EngineCoreClient):
         self._closing = False
         self._closed = False
         self._receiver: threading.Thread | None = None
+        # One thread at a time waits for the core's exit: two would race to reap it, and
+        # the one that lost would find it still alive (and kill a pid already reaped).
+        self._reaping = threading.Lock()
 
     def _finish_startup(self) -> None:
         try:
@@ -220,7 +223,8 @@ class MultiprocessCoreClient(EngineCoreClient):
     def _exit_status(self) -> str:
         if self.process is None:
             return "exited"
-        self.process.join()
+        with self._reaping:
+            self.process.join()
         return f"exited with status {self.process.exitcode}"
 
     def _wait_ready(self) -> EngineCoreReady:
@@ -274,10 +278,9 @@ class MultiprocessCoreClient(EngineCoreClient):
             if self._wakeup_read in events:
                 return
             if self._sentinel in events and death is None:
-                status = self._exit_status()
-                if self._closing:
+                if self._closing:  # `close` asked for this exit and reaps the process
                     return
-                death = EngineCoreDiedError(f"the engine core process {status}")
+                death = EngineCoreDiedError(f"the engine core process {self._exit_status()}")
         logger.error("%s", death)
         loop.call_soon_threadsafe(on_death, death)
 
@@ -309,11 +312,12 @@ class MultiprocessCoreClient(EngineCoreClient):
         self._closing = True
         if self.process is None:  # the supervisor that started it waits for it
             return
-        self.process.join(CORE_EXIT_TIMEOUT_S)
-        if self.process.is_alive():
-            logger.warning("the engine core did not exit; terminating it")
-            self.process.kill()
-            self.process.join()
+        with self._reaping:
+            self.process.join(CORE_EXIT_TIMEOUT_S)
+            if self.process.is_alive():
+                logger.warning("the engine core did not exit; terminating it")
+                self.process.kill()
+                self.process.join()
 
     def _cleanup(self) -> None:
         """Closes the sockets (the receiver thread, their other user, has ended)."""

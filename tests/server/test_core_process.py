@@ -1,6 +1,7 @@
 """`octavo serve` runs the engine core in its own process: killing it (-9) under load ends
 every in-flight stream with an error event and the server exits non-zero within seconds."""
 
+import asyncio
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from octavo.engine.config import EngineConfig
+from octavo.engine.frontend.core_client import MultiprocessCoreClient
 from tests.server.conftest import MODEL_NAME, core_pid, live_server
 
 NUM_STREAMS = 4
@@ -83,3 +86,32 @@ def test_a_process_that_exits_without_closing_its_core_client_still_exits(tiny_m
     assert done.returncode == 0, done.stderr
     core = int(done.stdout.split()[0])
     assert not Path(f"/proc/{core}").exists()  # exited and reaped by its parent
+
+
+def test_closing_the_client_reaps_the_core_once_without_a_false_alarm(tiny_model_dir, caplog):
+    """The receiver thread sees the core's exit while `close` waits for it: only `close`
+    reaps it. Two reapers raced, and the loser found a core that had exited "still alive",
+    logged that it did not exit and killed its reaped pid (3 closes in 25 here)."""
+    config = EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=64)
+    client = MultiprocessCoreClient(config, 1)
+    loop = asyncio.new_event_loop()
+    deaths: list[BaseException] = []
+    client.start(loop, lambda outputs: None, deaths.append)
+    process = client.process
+    assert process is not None
+    joined_by: list[str] = []
+    join = process.join
+
+    def recorded_join(timeout: float | None = None) -> None:
+        joined_by.append(threading.current_thread().name)
+        join(timeout)
+
+    process.join = recorded_join  # type: ignore[method-assign]
+    try:
+        client.close()
+    finally:
+        loop.close()
+    assert set(joined_by) == {threading.current_thread().name}
+    assert process.exitcode == 0
+    assert "did not exit" not in caplog.text
+    assert not deaths  # a requested exit is no death
