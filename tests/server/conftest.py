@@ -31,9 +31,9 @@ STREAM_TIMEOUT_S = 60
 
 
 class StreamReader(threading.Thread):
-    """Streams one completion request in a thread and keeps its status and its non-empty
-    lines; `started` is set at its first event; setting `stop` closes the connection after
-    the next event (a client that leaves)."""
+    """Streams one completion request in a thread and keeps its status, its non-empty lines
+    and its connection's local port; `started` is set at its first event; setting `stop`
+    closes the connection after the next event (a client that leaves)."""
 
     def __init__(self, base_url: str, body: dict):
         super().__init__()
@@ -41,12 +41,16 @@ class StreamReader(threading.Thread):
         self.body = body
         self.status: int | None = None
         self.lines: list[str] = []
+        self.client_port: int | None = None
         self.started = threading.Event()
         self.stop = threading.Event()
 
     def run(self) -> None:
         with httpx.stream("POST", self.url, json=self.body, timeout=STREAM_TIMEOUT_S) as response:
             self.status = response.status_code
+            _, self.client_port = response.extensions["network_stream"].get_extra_info(
+                "client_addr"
+            )
             for line in response.iter_lines():
                 if line:
                     self.lines.append(line)

@@ -45,13 +45,15 @@ def children(pid: int) -> list[int]:
     ]
 
 
-def socket_inodes(port: int, state: str) -> set[str]:
-    """Inodes of the TCP sockets on local `port` in `state` (/proc/net/tcp's hex codes)."""
+def socket_inodes(port: int, state: str, remote_port: int | None = None) -> set[str]:
+    """Inodes of the TCP sockets on local `port` in `state` (/proc/net/tcp's hex codes),
+    only those connected from `remote_port` if given."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == state:
+            local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
+            if local == port and fields[3] == state and remote_port in (None, remote):
                 inodes.add(fields[9])
     return inodes
 
@@ -151,18 +153,42 @@ def test_the_openai_client_gets_what_one_server_gives(server, shared):
         assert events[-1].choices[0].finish_reason == "length"
 
 
+def serving_pid(server: LiveServer, api: list[int], client_port: int) -> int:
+    """The API process holding the server side of the connection from `client_port`."""
+    port = int(server.base_url.rsplit(":", 1)[1])
+    inodes = socket_inodes(port, TCP_ESTABLISHED, client_port)
+    (pid,) = [pid for pid, count in pids_holding(api, inodes).items() if count]
+    return pid
+
+
 def test_disconnects_on_both_processes_abort_in_the_core(shared):
-    readers = start_streams(shared, long_body())
-    for reader in readers:
+    # Each client leaves right after its first event, so no stream can finish first (however
+    # slow the machine) and none waits in the queue behind another: clients are added until
+    # both processes have served one that left.
+    api, _ = roles(shared)
+    generated_before = shared.metrics()["octavo:generation_tokens_total"]
+    readers: list[StreamReader] = []
+    left_from: set[int] = set()
+    while len(readers) < MIN_STREAMS or left_from != set(api):
+        assert len(readers) < MAX_STREAMS, left_from
+        reader = StreamReader(shared.base_url, long_body())
+        reader.start()
+        assert reader.started.wait(STREAM_TIMEOUT_S)
+        left_from.add(serving_pid(shared, api, reader.client_port))
         reader.stop.set()
+        readers.append(reader)
     for reader in readers:
         reader.join(STREAM_TIMEOUT_S)
+        assert not reader.is_alive()
     deadline = time.monotonic() + STREAM_TIMEOUT_S
     while (metrics := shared.metrics())["octavo:num_requests_running"] > 0:
         assert time.monotonic() < deadline, metrics
         time.sleep(POLL_S)
     assert metrics["octavo:kv_cache_usage_perc"] == 0
     assert all(None in r.finish_reasons() and "length" not in r.finish_reasons() for r in readers)
+    # Aborted, not run to their length unread.
+    full_length = len(readers) * STREAM_CHOICES * long_body()["max_tokens"]
+    assert metrics["octavo:generation_tokens_total"] - generated_before < full_length
 
 
 def test_metrics_add_up_both_processes(shared):
