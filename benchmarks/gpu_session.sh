@@ -8,9 +8,13 @@
 #   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam, profile, host work
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
+#   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
+#       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
+#       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
 #
-# The GPU machine lacks the server's packages (the serve stage needs them; so do the tests of
-# the async engine): fetch them as wheels here, carry .whl/ and install them there first.
+# The GPU machine lacks packages the engine imports (llguidance, msgspec, pyzmq: every stage
+# needs them) and the server's (the serve stage; jsonschema for the structured-output tests):
+# fetch them as wheels here, carry .whl/ and install them there first.
 #   here:  pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #            --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
 #            --platform manylinux2014_x86_64 -d .whl \
@@ -25,7 +29,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -116,6 +120,24 @@ s.write_model(Path(sys.argv[1]), s.parse_args(['--preset', 'gpt2']))" "$model"
     done
     kill "$server"
     wait "$server"
+    ;;
+compare)
+    # Profiles first, alternated, then the tests, then a second round of profiles: a call
+    # cut short at its time limit still holds one measurement of each tree.
+    before=${BEFORE_ROOT:?compare needs BEFORE_ROOT, another checkout to measure against}
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    profile=(--device cuda --dtype float16 --preset gpt2)
+    for round in 1 2; do
+        step "profile_after_$round" "$python" benchmarks/profile_decode.py "${profile[@]}" \
+            --result-file "$out/profile_after_$round.json"
+        step "profile_before_$round" env PYTHONPATH="$before:$PYTHONPATH" "$python" \
+            "$before/benchmarks/profile_decode.py" "${profile[@]}" \
+            --result-file "$out/profile_before_$round.json"
+        if [[ $round -eq 1 ]]; then
+            step gpu_tests "$python" -m pytest -q -n 8 -m gpu tests/kernels tests/engine \
+                tests/model -p no:cacheprovider --timeout 300
+        fi
+    done
     ;;
 *)
     echo "unknown stage $stage" >&2

@@ -50,6 +50,8 @@ from octavo.engine import LLMEngine, RequestOutputKind, SamplingParams
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 3, 1
 COPY_BYTES = 1 << 30
 STEP_ANNOTATION = "octavo_step"
+# How the CUDA profiler names device events that are copies or fills, not kernels.
+DEVICE_COPY_PREFIXES = ("Memcpy", "Memset")
 SETTINGS = ("preset", "dtype", "batches", "prompt_len", "steps", "warmup_steps", "enforce_eager",
             "seed", "smoke")  # fmt: skip
 # The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
@@ -173,6 +175,12 @@ def gpu_pass(engine: LLMEngine, steps: int, cuda: bool, trace: Path | None) -> d
         for e in device_events
         if e.time_range.end > window_start and e.time_range.start < window_end
     ]
+    # Kernels (not copies or memsets) that start within the profiled steps.
+    kernels = [
+        e for e in device_events
+        if window_start <= e.time_range.start < window_end
+        and not e.name.startswith(DEVICE_COPY_PREFIXES)
+    ]  # fmt: skip
     top_kernels = sorted(
         (
             {"name": k.key[:120], "count": k.count, "device_us": k.self_device_time_total}
@@ -193,6 +201,7 @@ def gpu_pass(engine: LLMEngine, steps: int, cuda: bool, trace: Path | None) -> d
         "profiled_step_ms": window_us / 1e3 / steps,
         "gpu_busy_ms_per_step": union_us(busy) / 1e3 / steps if cuda else None,
         "gpu_busy_fraction": union_us(busy) / window_us if cuda else None,
+        "kernels_per_step": len(kernels) / steps if cuda else None,
         "top_kernels": top_kernels,
         "top_host_ops": top_host_ops,
     }
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"batch {batch:4d}: step {median:.3f} ms, GPU busy {busy_text}, "
-                f"bandwidth roofline {roof_text}"
+                f"bandwidth roofline {roof_text}, kernels per step {row['kernels_per_step']}"
             )
             print("   host phases (ms/step, cProfile): " + ", ".join(
                 f"{k} {v:.3f}" for k, v in host.items()

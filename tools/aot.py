@@ -37,6 +37,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from octavo.kernels import copy_blocks as copy_blocks_module
+from octavo.kernels import layer_norm as layer_norm_module
 from octavo.kernels import paged_attention as paged_attention_module
 from octavo.kernels import store_kv as store_kv_module
 
@@ -44,6 +45,7 @@ KERNEL_MODULES: tuple[ModuleType, ...] = (
     store_kv_module,
     paged_attention_module,
     copy_blocks_module,
+    layer_norm_module,
 )
 
 # Shared memory one block may use (opt-in maximum), bytes, per compute capability.
@@ -56,6 +58,10 @@ VECTOR_LOAD_PTX = r"\bld\.global(?:\.\w+)*\.v4\.b32|\bcp\.async\.cg\.shared\.glo
 # GPT-2 small, medium, large and xl: head_dim is 64 in all four.
 GPT2_HEAD_COUNTS = (12, 16, 20, 25)
 GPT2_HEAD_DIM = 64
+GPT2_LAYER_NORM_EPS = 1e-5  # config.json's layer_norm_epsilon (a runtime float argument)
+# Rows in the recorded add_layer_norm launches (a decode batch; the row count is not
+# specialized on).
+WORKLOAD_ROWS = 8
 # GPTBigCode with multi-query attention at GPT-2 small's size: one K/V head for 12 query
 # heads (the grouped kernels' GROUP_SIZE 12).
 MULTI_QUERY_HEADS = 12
@@ -144,13 +150,14 @@ def recorded_launches() -> Iterator[list[KernelLaunch]]:
 def gpt2_workload() -> list[KernelLaunch]:
     """The launches the triton attention backend makes for GPT-2 small to xl and a
     multi-query GPTBigCode, in every dtype: store_kv from strided views of the fused qkv
-    projection, a mixed prefill + decode batch, decode batches at every split factor, and
+    projection, a mixed prefill + decode batch, decode batches at every split factor,
     copy-on-write copies over a small two-layer cache and over one whose per-layer plane
-    passes 2**31 elements."""
+    passes 2**31 elements, and the residual add + LayerNorm at each model's width."""
     with recorded_launches() as launches:
         for dtype in WORKLOAD_DTYPES:
             for num_heads in GPT2_HEAD_COUNTS:
                 _attention_launches(num_heads, num_heads, dtype)
+                _layer_norm_launch(num_heads * GPT2_HEAD_DIM, dtype)
             _attention_launches(MULTI_QUERY_HEADS, 1, dtype)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=8)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=LARGE_CACHE_BLOCKS)
@@ -217,6 +224,12 @@ def _store_and_attend(
         scale,
         num_splits=num_splits,
     )
+
+
+def _layer_norm_launch(width: int, dtype: torch.dtype) -> None:
+    hidden = torch.zeros((WORKLOAD_ROWS, width), dtype=dtype)
+    weight = torch.ones(width, dtype=dtype)
+    layer_norm_module.add_layer_norm(hidden, hidden, weight, weight, GPT2_LAYER_NORM_EPS)
 
 
 def _copy_launch(num_heads: int, dtype: torch.dtype, num_blocks: int) -> None:

@@ -1,7 +1,7 @@
 """Every kernel specialization GPT-2 and GPTBigCode launch compiles for real GPUs (sm_80,
 sm_90) through Triton's NVIDIA pipeline, with no spills, shared memory within a block's
-limit, tensor cores in the prefill tl.dot path and 16-byte loads wherever K/V bytes are
-moved (but one K/V head's store, below).
+limit, tensor cores in the prefill tl.dot path and 16-byte loads wherever K/V bytes or
+activations are moved (but one K/V head's store, below).
 
 The interpreter that runs the kernels elsewhere in the suite cannot see any of this."""
 
@@ -31,13 +31,17 @@ def variants(tmp_path_factory) -> list[dict]:
 
 
 def _dtype(variant: dict) -> str:
-    """The cache's element type: every kernel but the reduce reads or writes the cache."""
+    """The cache's element type (every attention kernel but the reduce reads or writes the
+    cache), or the activations' for the LayerNorm."""
     signature = variant["signature"]
-    return signature.get("k_cache_ptr") or signature.get("cache_ptr", "")
+    return signature.get("k_cache_ptr") or signature.get("cache_ptr") or signature.get("x_ptr", "")
 
 
 def test_every_kernel_compiles_for_every_arch_and_dtype(variants):
-    kernels = {"_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_copy_blocks_kernel"}
+    kernels = {
+        "_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_copy_blocks_kernel",
+        "_add_layer_norm_kernel",
+    }  # fmt: skip
     for arch in ARCHS:
         for dtype in ("*fp16", "*bf16", "*fp32"):
             built = {
@@ -94,6 +98,7 @@ def test_kv_bytes_move_in_16_byte_loads(variants):
             "_prefill_kernel",
             "_decode_kernel",
             "_copy_blocks_kernel",
+            "_add_layer_norm_kernel",
         ):
             if v["kernel"] == "_store_kv_kernel" and v["constexprs"]["NUM_HEADS"] == 1:
                 # One K/V head: a token's row is 64 elements for a warp of 32 threads, two

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from octavo.kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 from octavo.kernels.paged_attention import paged_attention, paged_attention_ref
 from octavo.kernels.store_kv import store_kv, store_kv_ref
 
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.gpu
 HEAD_DIM = 64
 BLOCK_SIZE = 16
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+LAYER_NORM_EPS = 1e-5
 
 
 def far_batch(num_heads, query_lens, seq_lens, dtype, num_blocks):
@@ -93,3 +95,21 @@ def test_store_and_copy_real_sizes(dtype):
     copy_blocks_ref(expected, mapping)
     copy_blocks(kv, mapping)
     assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("width", [768, 1600])  # GPT-2 small's and xl's
+def test_add_layer_norm_real_sizes(dtype, width):
+    generator = torch.Generator(device="cuda").manual_seed(width)
+    x, residual = (
+        torch.randn((300, width), generator=generator, device="cuda", dtype=dtype) for _ in range(2)
+    )
+    weight, bias = (
+        torch.randn(width, generator=generator, device="cuda", dtype=dtype) for _ in range(2)
+    )
+    out, total = add_layer_norm(x, residual, weight, bias, LAYER_NORM_EPS)
+    expected_out, expected_total = add_layer_norm_ref(x, residual, weight, bias, LAYER_NORM_EPS)
+    assert torch.equal(total, expected_total)
+    torch.testing.assert_close(
+        out.float(), expected_out.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )

@@ -21,28 +21,34 @@ SPECS = [
 ]
 
 
-def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -> torch.Tensor:
-    """Runs `tokens` through the model in prefill chunks over a shuffled paged cache; returns
-    the logits of every position."""
+def paged_logits(
+    model, tokens: list[int], chunks: list[int], block_size: int, backend=None
+) -> torch.Tensor:
+    """Runs `tokens` through the model (on its device; the torch backend unless another is
+    given) in prefill chunks over a shuffled paged cache; returns the logits of every
+    position, on the CPU."""
     config = model.config
+    device = model.wte.weight.device
     num_blocks = -(-len(tokens) // block_size) + 1
     physical = list(range(1, num_blocks + 1))
     random.Random(0).shuffle(physical)
     cache = torch.full(
         (config.n_layer, 2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim),
         float("nan"),
+        dtype=model.wte.weight.dtype,
+        device=device,
     )
     cache[:, :, 0] = 0
-    backend = TorchAttentionBackend()
+    backend = backend or TorchAttentionBackend()
     logits, start = [], 0
     for chunk in chunks:
         end = start + chunk
         slots = [physical[p // block_size] * block_size + p % block_size for p in range(start, end)]
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=torch.tensor([physical], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, chunk], dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, device=device),
+            block_tables=torch.tensor([physical], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor([0, chunk], dtype=torch.int32, device=device),
             max_seqlen_q=chunk,
             max_seqlen_k=end,
             block_size=block_size,
@@ -51,12 +57,12 @@ def paged_logits(model, tokens: list[int], chunks: list[int], block_size: int) -
         )
         with torch.inference_mode():
             hidden = model(
-                torch.tensor(tokens[start:end]),
-                torch.arange(start, end),
+                torch.tensor(tokens[start:end], device=device),
+                torch.arange(start, end, device=device),
                 cache,
                 backend.prepare(metadata),
             )
-            logits.append(model.compute_logits(hidden))
+            logits.append(model.compute_logits(hidden).cpu())
         start = end
     return torch.cat(logits)
 

@@ -20,6 +20,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     min_block_size = 1
+    fused_layer_norm = True
 
     def forward(
         self,

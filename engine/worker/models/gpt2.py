@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 
 # QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
 # approximates the normal CDF (Hendrycks & Gimpel, the GELU paper), as in HF's quick_gelu.
@@ -223,9 +224,30 @@ class GPT2MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
         self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
         self.act = ACTIVATIONS[config.activation_function]
+        self.tanh_gelu = self.act is _tanh_gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tanh_gelu and x.is_cuda:
+            # On CUDA, c_fc's bias and the tanh GELU run in the matrix product's epilogue
+            # (cuBLASLt's GELU_BIAS; torch falls back to addmm then the tanh GELU where
+            # cuBLASLt does not apply): one launch fewer per layer. Not on the CPU, where
+            # this op applies the erf GELU instead.
+            hidden = torch._addmm_activation(self.c_fc.bias, x, self.c_fc.weight.t(), use_gelu=True)
+            return self.c_proj(hidden)
         return self.c_proj(self.act(self.c_fc(x)))
+
+
+class AddLayerNorm(nn.LayerNorm):
+    """LayerNorm of x + residual: forward(x, residual) -> (the norm, x + residual), the sum
+    being the residual stream from there on. With `fused`, one Triton launch does both
+    (add_layer_norm); else torch's add, then its LayerNorm."""
+
+    def __init__(self, width: int, eps: float, fused: bool):
+        super().__init__(width, eps=eps)
+        self.add_norm = add_layer_norm if fused else add_layer_norm_ref
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.add_norm(x, residual, self.weight, self.bias, self.eps)
 
 
 class GPT2Block(nn.Module):
@@ -237,16 +259,26 @@ class GPT2Block(nn.Module):
         attention: type[GPT2Attention] = GPT2Attention,
     ):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        eps, fused = config.layer_norm_epsilon, backend.fused_layer_norm
+        self.ln_1 = AddLayerNorm(config.n_embd, eps, fused)
         self.attn = attention(config, layer, backend)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_2 = AddLayerNorm(config.n_embd, eps, fused)
         self.mlp = GPT2MLP(config)
 
     def forward(
-        self, x: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, metadata)
-        return x + self.mlp(self.ln_2(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's output, not yet added to `residual` (at the first layer,
+        the token embeddings; the residual is then the position embeddings). Returns this
+        block's MLP output and the residual it is to be added to, so that the add fuses
+        with the next LayerNorm."""
+        normed, residual = self.ln_1(x, residual)
+        normed, residual = self.ln_2(self.attn(normed, kv_cache, metadata), residual)
+        return self.mlp(normed), residual
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -273,7 +305,7 @@ class GPT2LMHeadModel(nn.Module):
         self.h = nn.ModuleList(
             GPT2Block(config, i, backend, self.attention_class) for i in range(config.n_layer)
         )
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = AddLayerNorm(config.n_embd, config.layer_norm_epsilon, backend.fused_layer_norm)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -287,10 +319,10 @@ class GPT2LMHeadModel(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)  # [T, C]
+        x, residual = self.wte(input_ids), self.wpe(positions)  # [T, C] each
         for layer, block in enumerate(self.h):
-            x = block(x, kv_cache[layer], metadata)
-        return self.ln_f(x)
+            x, residual = block(x, residual, kv_cache[layer], metadata)
+        return self.ln_f(x, residual)[0]
 
     def pad_lm_head(self, multiple: int) -> None:
         """Stores lm_head's weight with zero rows up to a multiple of `multiple`, so that the
