@@ -1,4 +1,5 @@
-"""Triton kernels over the paged KV cache, each with a plain-torch `*_ref` twin."""
+"""Triton kernels (over the paged KV cache, and the fused residual add + LayerNorm), each
+with a plain-torch `*_ref` twin."""
 
 from triton.runtime.interpreter import InterpretedFunction
 
