@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU measurement (issues 5 and 10), in three stages that each fit one 10-minute
-# device call. Run from the repository root with the machine's own python (torch, triton,
-# transformers, pytest preinstalled; no fastapi needed):
+# Every GPU measurement, in stages that each fit one 10-minute device call. Run from the
+# repository root with the machine's own python (torch, triton, transformers, pytest
+# preinstalled) and the carried wheels below:
 #
 #   bash benchmarks/gpu_session.sh tests   OUT_DIR   # GPU-marked tests, the engine suite on CUDA
 #   bash benchmarks/gpu_session.sh kernels OUT_DIR   # kernel_bench --sweep
@@ -13,17 +13,12 @@
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
 #
 # The GPU machine lacks packages the engine imports (llguidance, msgspec, pyzmq: every stage
-# needs them) and the server's (the serve stage; jsonschema for the structured-output tests):
-# fetch them as wheels here, carry .whl/ and install them there first.
-#   here:  pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#            --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
-#            --platform manylinux2014_x86_64 -d .whl \
-#            fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types \
-#            typing-inspection msgspec pyzmq opentelemetry-api importlib-metadata \
-#            llguidance jsonschema jsonschema-specifications referencing rpds-py
-#          (the versions `make install` put in .venv; one version of each)
-#   there: pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#          export PYTHONPATH=/tmp/site
+# needs them) and the server's: `bash benchmarks/gpu_wheels.sh` fetches them here as wheels
+# into .whl/ (the versions in .venv); carry .whl there and install them first:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+# For `compare`, put the other checkout in an ignored folder of this one and carry it too:
+#   mkdir .before && git archive REV | tar -x -C .before
 #
 # Logs and result JSON land in OUT_DIR; commit the JSON under benchmarks/results/ with the
 # device in its name. A failing command is logged and the stage goes on; the exit status is

@@ -237,13 +237,17 @@ class GPT2MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
-class AddLayerNorm(nn.LayerNorm):
+class AddLayerNorm(nn.Module):
     """LayerNorm of x + residual: forward(x, residual) -> (the norm, x + residual), the sum
     being the residual stream from there on. With `fused`, one Triton launch does both
-    (add_layer_norm); else torch's add, then its LayerNorm."""
+    (add_layer_norm); else torch's add, then its LayerNorm. Its parameters are nn.LayerNorm's
+    (`weight`, `bias`), so checkpoints load by the same names."""
 
     def __init__(self, width: int, eps: float, fused: bool):
-        super().__init__(width, eps=eps)
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.eps = eps
         self.add_norm = add_layer_norm if fused else add_layer_norm_ref
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
