@@ -95,7 +95,7 @@ def write_model(folder: Path, args: argparse.Namespace) -> None:
     config = {
         "model_type": "gpt2",
         "vocab_size": args.vocab,
-        "n_positions": args.prompt_len + args.output_len + 16,
+        "n_positions": max_model_len(args),
         "n_embd": args.hidden,
         "n_layer": args.layers,
         "n_head": args.heads,
@@ -105,11 +105,17 @@ def write_model(folder: Path, args: argparse.Namespace) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def max_model_len(args: argparse.Namespace) -> int:
+    """The model's positions: every request's prompt and output, and a block to spare."""
+    return args.prompt_len + args.output_len + BLOCK_SIZE
+
+
 def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[str, float]]:
     """One workload of `batch` requests; the timings of each steady decode step."""
     engine_args = json.loads(args.engine_args)
-    # Room for every sequence at full length (a 0-layer model has no KV bytes to size by).
-    blocks_per_seq = -(-(args.prompt_len + args.output_len) // BLOCK_SIZE)
+    # Room for every sequence at the model's full length (which the engine requires of the
+    # cache; a 0-layer model has no KV bytes to size it by).
+    blocks_per_seq = -(-max_model_len(args) // BLOCK_SIZE)
     engine_args.setdefault("num_blocks", batch * blocks_per_seq + 1)
     config = EngineConfig(
         model=str(model), load_format="dummy", device=args.device, max_num_seqs=batch,
