@@ -49,15 +49,17 @@ case $stage in
 tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
-    step gpu_tests "$python" -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider
+    step gpu_tests "$python" -m pytest -q -rf -m gpu tests/kernels tests/engine tests/model \
+        -p no:cacheprovider
     # The CPU engine and model suites as they are, every engine moved to CUDA (float32 kept):
     # GPT-2 variants and GPTBigCode (multi-query kernels), CUDA graphs,
     # pinned copies and one-step-ahead scheduling against the same HF oracle.
     # Eight workers (pytest-xdist is on the GPU image; the machine has 16 cores): one after
     # another the tests take longer than a 10-minute call, most of it Triton compiling each
-    # test's shapes.
-    step engine_suite_on_cuda "$python" -m pytest -q -n 8 tests/engine tests/model tests/unit -m "not gpu" \
-        --engine-device cuda -p no:cacheprovider --timeout 300
+    # test's shapes. -v names each test as it ends, so a run cut off at the call's limit still
+    # says which failed.
+    step engine_suite_on_cuda "$python" -m pytest -v -n 8 tests/engine tests/model tests/unit \
+        -m "not gpu" --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)
     step kernel_bench "$python" benchmarks/kernel_bench.py --sweep --result-file "$out/kernel_bench.json"
@@ -129,7 +131,7 @@ compare)
             "$before/benchmarks/profile_decode.py" "${profile[@]}" \
             --result-file "$out/profile_before_$round.json"
         if [[ $round -eq 1 ]]; then
-            step gpu_tests "$python" -m pytest -q -n 8 -m gpu tests/kernels tests/engine \
+            step gpu_tests "$python" -m pytest -v -n 8 -m gpu tests/kernels tests/engine \
                 tests/model -p no:cacheprovider --timeout 300
         fi
     done
