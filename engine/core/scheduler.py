@@ -184,6 +184,7 @@ class Scheduler:
         bm = self.block_manager
         tables, ref_counts, block_size = bm.block_tables, bm.ref_counts, bm.block_size
         sample_rows = self._sample_rows
+        decodes, decode_entries = step.decodes, step.decode_entries
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
@@ -197,15 +198,26 @@ class Scheduler:
                 if seq.num_pending_tokens and self._ends_pending(group, seq):
                     index += 1  # its pending token is its last: nothing more to compute
                     continue
+                tokens = seq.token_ids
                 if (
-                    len(seq.token_ids) + seq.num_pending_tokens - start == 1
+                    len(tokens) + seq.num_pending_tokens - start == 1
                     and table is not None
                     and start // block_size < len(table)
                     and ref_counts[table[start // block_size]] == 1
                     and group.num_sequences == 1  # no fork pending (group.needs_fork)
+                    and not group.wants_prompt_logprobs
                 ):
-                    row = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
-                    self._schedule_seq(step, 1, row)
+                    # _schedule_seq's work for one token sampled from the sequence itself,
+                    # inline: every running sequence passes here every step.
+                    sample_ids, entry = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
+                    seq.num_computed_tokens = start + 1
+                    seq.num_pending_tokens += 1
+                    decodes.append(
+                        ScheduledSequence(
+                            seq.seq_id, start, 1, tokens[start : start + 1], sample_ids
+                        )
+                    )
+                    decode_entries.append(entry)
                     budget -= 1
                     index += 1
                     continue
