@@ -33,9 +33,10 @@ def _laplace(x: torch.Tensor) -> torch.Tensor:
 
 _tanh_gelu = partial(F.gelu, approximate="tanh")
 # Activation dtypes whose MLP takes the GELU in the matrix product's epilogue on CUDA. Not
-# float32: there the epilogue's GELU is ~5e-6 from torch's (measured on an H200), more than
-# the unfused op's distance from HF's, so float32 keeps the separate op (and its parity with
-# HF on near-tied greedy and beam choices); in 16 bits that is far below the dtype's rounding.
+# float32: there the epilogue's GELU strays from torch's by more than the unfused op strays
+# from HF's (benchmarks/README, the H200 session), so float32 keeps the separate op and its
+# parity with HF on near-tied greedy and beam choices; in 16 bits the difference is far
+# below the dtype's rounding.
 EPILOGUE_GELU_DTYPES = (torch.float16, torch.bfloat16)
 
 # Every parameter-free activation of HF's ACT2FN, by its config name. HF writes the tanh-GELU
