@@ -34,7 +34,12 @@ def venv(tmp_path_factory) -> Path:
     (wheel,) = (tmp / "dist").glob("octavo-*.whl")
     venv = tmp / "venv"
     run(sys.executable, "-m", "venv", venv)
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "-c", "constraints.txt"]
+    # --no-compile: pip byte-compiles every installed module (torch's thousands); what these
+    # tests check needs only the modules they import, which compile on first use.
+    pip = [
+        venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile",
+        "-c", "constraints.txt",
+    ]  # fmt: skip
     run(*pip, "torch==2.13.0")
     run(*pip, wheel)
     return venv
