@@ -36,6 +36,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from octavo.engine.worker.models.gpt2 import GPT2Config
 from octavo.kernels import copy_blocks as copy_blocks_module
 from octavo.kernels import layer_norm as layer_norm_module
 from octavo.kernels import paged_attention as paged_attention_module
@@ -58,7 +59,6 @@ VECTOR_LOAD_PTX = r"\bld\.global(?:\.\w+)*\.v4\.b32|\bcp\.async\.cg\.shared\.glo
 # GPT-2 small, medium, large and xl: head_dim is 64 in all four.
 GPT2_HEAD_COUNTS = (12, 16, 20, 25)
 GPT2_HEAD_DIM = 64
-GPT2_LAYER_NORM_EPS = 1e-5  # config.json's layer_norm_epsilon (a runtime float argument)
 # Rows in the recorded add_layer_norm launches (a decode batch; the row count is not
 # specialized on).
 WORKLOAD_ROWS = 8
@@ -229,7 +229,7 @@ def _store_and_attend(
 def _layer_norm_launch(width: int, dtype: torch.dtype) -> None:
     hidden = torch.zeros((WORKLOAD_ROWS, width), dtype=dtype)
     weight = torch.ones(width, dtype=dtype)
-    layer_norm_module.add_layer_norm(hidden, hidden, weight, weight, GPT2_LAYER_NORM_EPS)
+    layer_norm_module.add_layer_norm(hidden, hidden, weight, weight, GPT2Config.layer_norm_epsilon)
 
 
 def _copy_launch(num_heads: int, dtype: torch.dtype, num_blocks: int) -> None:
