@@ -49,17 +49,18 @@ case $stage in
 tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
-    step gpu_tests "$python" -m pytest -q -rf -m gpu tests/kernels tests/engine tests/model \
-        -p no:cacheprovider
+    step gpu_tests "$python" -m pytest -v -n 8 -m gpu tests/kernels tests/engine tests/model \
+        -p no:cacheprovider --timeout 300
     # The CPU engine and model suites as they are, every engine moved to CUDA (float32 kept):
     # GPT-2 variants and GPTBigCode (multi-query kernels), CUDA graphs,
     # pinned copies and one-step-ahead scheduling against the same HF oracle.
     # Eight workers (pytest-xdist is on the GPU image; the machine has 16 cores): one after
     # another the tests take longer than a 10-minute call, most of it Triton compiling each
-    # test's shapes. -v names each test as it ends, so a run cut off at the call's limit still
-    # says which failed.
-    step engine_suite_on_cuda "$python" -m pytest -v -n 8 tests/engine tests/model tests/unit \
-        -m "not gpu" --engine-device cuda -p no:cacheprovider --timeout 300
+    # test's shapes. -v names each test as it ends; CUDA_SUITE_LIMIT_S (seconds) interrupts the
+    # run with SIGINT, on which pytest still prints its summary of the failures so far.
+    step engine_suite_on_cuda timeout --signal INT --kill-after 30 "${CUDA_SUITE_LIMIT_S:-540}" \
+        "$python" -m pytest -v -rf -n 8 tests/engine tests/model tests/unit -m "not gpu" \
+        --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)
     step kernel_bench "$python" benchmarks/kernel_bench.py --sweep --result-file "$out/kernel_bench.json"
@@ -92,9 +93,12 @@ offline)
     ;;
 serve)
     # 256 streams of short prompts, 64-128 tokens each, EOS ignored: offline and served on
-    # the same requests, four client processes so the client is not the bottleneck.
+    # the same requests, four client processes so the client is not the bottleneck. 1024
+    # requests, 256 running at a time: 256 alone take well under a second offline, too short a
+    # window against the servers' start-up spread.
     step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
-        --dtype float16 --modes streamed unstreamed interval8 api2 --client-procs 4 \
+        --dtype float16 --num-requests 1024 --modes streamed unstreamed interval8 api2 \
+        --client-procs 4 \
         --repeats 3 --result-file "$out/serving_throughput_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     model=$(mktemp -d)/model
@@ -105,10 +109,19 @@ s.write_model(Path(sys.argv[1]), s.parse_args(['--preset', 'gpt2']))" "$model"
     "$python" -m octavo serve --model "$model" --load-format dummy --device cuda \
         --dtype float16 --port $port --log-level warning >"$out/server.log" 2>&1 &
     server=$!
-    for _ in $(seq 120); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        sleep 1
-    done
+    # The GPU image has no curl.
+    "$python" - "$port" <<'PY'
+import sys
+import time
+import urllib.request
+
+for _ in range(120):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+PY
     for concurrency in 1 4 16 64; do
         step "latency_c$concurrency" "$python" -m octavo bench serve \
             --base-url "http://127.0.0.1:$port" --random-input-len 32 --random-output-len 128 \
