@@ -57,9 +57,11 @@ tests)
     # Eight workers (pytest-xdist is on the GPU image; the machine has 16 cores): one after
     # another the tests take longer than a 10-minute call, most of it Triton compiling each
     # test's shapes. -v names each test as it ends; CUDA_SUITE_LIMIT_S (seconds) interrupts the
-    # run with SIGINT, on which pytest still prints its summary of the failures so far.
+    # run with SIGINT, on which pytest still prints its summary of the failures so far. The
+    # GPU image has no Ray (the `ray` extra): its unit tests, which hold no device code, stay out.
     step engine_suite_on_cuda timeout --signal INT --kill-after 30 "${CUDA_SUITE_LIMIT_S:-540}" \
         "$python" -m pytest -v -rf -n 8 tests/engine tests/model tests/unit -m "not gpu" \
+        --ignore tests/unit/test_ray_routing.py --ignore tests/unit/test_replica_metrics.py \
         --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)

@@ -25,7 +25,8 @@ MIN_CONTEXT_TO_SPLIT = 256
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
 LOG2_E = 1.4426950408889634
-# Every tl.dot dimension must be >= 16 on the GPU compiler.
+# Every tl.dot dimension must be >= 16 on the GPU compiler (the interpreter takes any): the
+# tiles, and head_dim, which the tl.dot path pads with masked lanes up to it.
 MIN_DOT_DIM = 16
 # Triton's defaults; the heuristics below override them where kernel_bench --sweep showed
 # a better choice on an H100.
@@ -366,7 +367,8 @@ def paged_attention(
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            HEAD_DIM=head_dim, BLOCK_D=max(block_d, MIN_DOT_DIM), BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
             GROUP_SIZE=group_size, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
         return out

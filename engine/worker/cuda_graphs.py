@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -23,6 +27,25 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     buckets = [b for b in (1, 2, 4, 8) if b < max_batch_size]
     buckets += range(_BUCKET_STEP, max_batch_size, _BUCKET_STEP)
     return [*buckets, max_batch_size]
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, after one collection.
+
+    A collection during a capture can free what an earlier engine left in a reference
+    cycle: its CUDA graphs or pinned buffers. Freeing those calls CUDA in ways a capturing
+    stream forbids, and that invalidates the capture ("operation not permitted when stream
+    is capturing"), so whether an engine starts would depend on when the collector runs.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class DecodeInputBuffers:
@@ -185,15 +208,18 @@ class CUDAGraphRunner:
         """Captures every bucket, largest first, all sharing one memory pool. The buffers
         hold padding rows only, so warm-up and capture store nothing in the cache."""
         pool = None
-        for size in reversed(self.buffers.buckets):
-            # Compile the kernels and warm up outside the capture.
-            forward_bucket(self.model, self.kv_cache, self.buffers, size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = forward_bucket(self.model, self.kv_cache, self.buffers, size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        with collector_paused():
+            for size in reversed(self.buffers.buckets):
+                # Compile the kernels and warm up outside the capture.
+                forward_bucket(self.model, self.kv_cache, self.buffers, size)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = forward_bucket(
+                        self.model, self.kv_cache, self.buffers, size
+                    )
+                pool = graph.pool()
+                self.graphs[size] = graph
         torch.cuda.synchronize()
 
     @torch.inference_mode()

@@ -1,6 +1,8 @@
 """The engine on a GPU: triton kernels + CUDA graphs give HF's greedy tokens and beams; fp16
 runs."""
 
+import gc
+
 import pytest
 import torch
 
@@ -32,18 +34,58 @@ def test_greedy_on_gpu_equals_hf(tiny_model_dir, hf_tiny, enforce_eager):
         assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, 24)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_runs_and_sizes_the_cache_from_memory(tiny_model_dir, dtype):
-    llm = LLM(
-        model=tiny_model_dir, device="cuda", dtype=dtype, gpu_memory_utilization=0.5, max_num_seqs=8
-    )
-    free, total = torch.cuda.mem_get_info()
-    assert llm.engine.block_manager.num_blocks > 1000
-    assert free < total * 0.6  # the cache took about half of the device
-    outputs = llm.generate(
-        ["The class", "A list"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
-    )
-    assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs)
+def test_half_precision_runs_and_sizes_the_cache_from_memory(tiny_model_dir):
+    """Each half dtype in turn, in one test: the budget is a share of the whole device, so two
+    engines taking half of it each (two test workers at once) cannot both start."""
+    for dtype in ("float16", "bfloat16"):
+        llm = LLM(
+            model=tiny_model_dir,
+            device="cuda",
+            dtype=dtype,
+            gpu_memory_utilization=0.5,
+            max_num_seqs=8,
+        )
+        free, total = torch.cuda.mem_get_info()
+        assert llm.engine.block_manager.num_blocks > 1000
+        assert free < total * 0.6  # the cache took about half of the device
+        outputs = llm.generate(
+            ["The class", "A list"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+        )
+        assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs)
+        del llm, outputs
+        gc.collect()
+
+
+def test_capture_runs_with_the_collector_off_and_survives_an_abandoned_engine(
+    tiny_model_dir, hf_tiny
+):
+    """An engine dropped in a reference cycle holds CUDA graphs only the collector frees;
+    freeing them inside the next engine's capture invalidated that capture. With the
+    collector set to run at nearly every allocation, no collection may happen while a
+    stream captures, and the new engine still gives HF's greedy tokens."""
+    config = {"model": tiny_model_dir, "device": "cuda", "dtype": "float32", "num_blocks": 512}
+    abandoned = [LLM(**config, max_num_seqs=8)]
+    abandoned.append(abandoned)  # only the cyclic collector can free it now
+    del abandoned
+    during_capture: list[str] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            during_capture.append(f"generation {info['generation']}")
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(1, 1, 1)
+    try:
+        llm = LLM(**config, max_num_seqs=16)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(record)
+    assert during_capture == []
+    prompts = sample_prompts(4, 1, 40, hf_tiny.config.vocab_size, seed=3)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, 12)
 
 
 def test_beam_search_on_gpu_equals_hf(eos_model_dir, hf_eos):

@@ -7,6 +7,7 @@ from octavo.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 from octavo.kernels.paged_attention import paged_attention, paged_attention_ref
 from octavo.kernels.store_kv import store_kv, store_kv_ref
+from tests.kernels.paged_setup import make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -74,6 +75,22 @@ def test_paged_attention_real_sizes(num_heads, dtype, shape):
         torch.testing.assert_close(
             got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
         )
+
+
+@pytest.mark.parametrize("head_dim", [4, 8, 24])
+@pytest.mark.parametrize("shape", ["decode", "mixed"])
+def test_paged_attention_head_dims_below_the_mma_minimum(head_dim, shape):
+    """Head dims under tl.dot's minimum inner dimension (16) or not a power of two, as small
+    GPTBigCode and GPT-2 configurations have: the compiled kernels, not the interpreter, are
+    the ones that refuse narrow dots."""
+    query_lens = [1, 1, 1] if shape == "decode" else [1, 37, 5]
+    batch = make_batch(
+        query_lens, [90, 40, 17], num_heads=4, head_dim=head_dim, block_size=BLOCK_SIZE,
+        dtype=torch.float32, device="cuda", num_kv_heads=1,
+    )  # fmt: skip
+    expected = paged_attention_ref(*batch.args(), torch.empty_like(batch.q), batch.scale)
+    got = paged_attention(*batch.args(), torch.empty_like(batch.q), batch.scale)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
