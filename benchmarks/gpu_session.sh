@@ -75,6 +75,11 @@ engine)
     # One-step-ahead scheduling is the CUDA default; each measurement also runs without it.
     step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/profile_decode.json" --trace-dir "$out/traces"
+    # Under arrivals (two prompts of 24 tokens prefilled beside each step's decodes, as on
+    # `serve`'s workload): steps the decode graphs cannot replay.
+    step profile_decode_arrivals "$python" benchmarks/profile_decode.py --device cuda \
+        --dtype float16 --preset gpt2 --batches 64 256 --arrivals 2 \
+        --result-file "$out/profile_decode_arrivals.json"
     step profile_decode_sync "$python" benchmarks/profile_decode.py --device cuda \
         --dtype float16 --preset gpt2 --no-async-scheduling \
         --result-file "$out/profile_decode_sync.json"

@@ -1,6 +1,11 @@
 """Profile of one steady decode step: how much of a step the GPU is busy, and where the host
 time goes, at several batch sizes (CUDA graphs on unless --enforce-eager).
 
+--arrivals N profiles a server's steady state under arrivals instead: before every step
+the N oldest requests end (aborted, outside the step's timing) and N new ones of
+--arrival-prompt-len tokens arrive, so each step prefills N prompts beside batch - N
+decodes. Such mixed steps do not fit the decode graphs; this measures what they cost.
+
 For each batch size, `batch` requests of --prompt-len random tokens are prefilled, then
 --warmup-steps decode steps run untimed. Three passes of --steps decode steps each follow:
   1. wall: perf_counter around every `engine.step()` (no profiler attached): the step time.
@@ -53,7 +58,7 @@ STEP_ANNOTATION = "octavo_step"
 # How the CUDA profiler names device events that are copies or fills, not kernels.
 DEVICE_COPY_PREFIXES = ("Memcpy", "Memset")
 SETTINGS = ("preset", "dtype", "batches", "prompt_len", "steps", "warmup_steps", "enforce_eager",
-            "seed", "smoke")  # fmt: skip
+            "seed", "smoke", "arrivals", "arrival_prompt_len")  # fmt: skip
 # The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
 PHASES = (
     ("schedule", "scheduler.py", "schedule"),
@@ -61,6 +66,7 @@ PHASES = (
     ("execute.graph_replay", "cuda_graphs.py", "run"),
     ("execute.forward_eager", "model_runner.py", "_forward"),
     ("execute.sample", "sampler.py", "__call__"),
+    ("execute.triton_launches", "jit.py", "run"),  # Triton's Python launch path (not on CPU)
     ("update", "scheduler.py", "update"),
     ("outputs", "output_processor.py", "process"),
 )
@@ -74,6 +80,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps per pass")
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--arrivals",
+        type=int,
+        default=0,
+        help="requests ending and arriving before every step (0: decode-only steps)",
+    )
+    p.add_argument("--arrival-prompt-len", type=int, default=24)
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -91,28 +104,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.preset, args.dtype, args.device = "smoke", "float32", "cpu"
         args.batches, args.steps, args.warmup_steps = SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP
         args.prompt_len = 8
+        args.arrivals = min(args.arrivals, min(args.batches))
+    if not 0 <= args.arrivals <= min(args.batches):
+        p.error(f"--arrivals must be between 0 and the smallest batch, got {args.arrivals}")
     return common.resolve_preset_arguments(args, "profile_decode")
 
 
-def start_decoding(engine: LLMEngine, args: argparse.Namespace, batch: int) -> None:
-    """Adds the batch and steps until every request is past its prefill and warm-up."""
-    prompts = common.random_prompts(batch, args.prompt_len, args.vocab, args.seed + batch)
-    # Enough tokens for the warm-up and the three passes, so no request ends mid-profile.
-    max_tokens = args.warmup_steps + 3 * args.steps + 2
-    # Outputs only when a request ends, as `LLM.generate` asks for them.
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{batch}-{i}", prompt, params)
-    running = engine.scheduler.running
-    while sum(g.seqs[0].num_computed_tokens >= args.prompt_len for g in running) < batch:
-        engine.step()
-    for _ in range(args.warmup_steps):
-        engine.step()
+class Workload:
+    """The requests of one batch size: `step()` runs one engine step, after the churn of
+    --arrivals (the oldest requests aborted, as many new ones added) when asked for."""
+
+    def __init__(self, engine: LLMEngine, args: argparse.Namespace, batch: int):
+        self.engine, self.args, self.batch = engine, args, batch
+        # Enough tokens for the warm-up and the three passes, so no request ends
+        # mid-profile. Outputs only when a request ends, as `LLM.generate` asks for them.
+        self.params = SamplingParams(
+            temperature=0,
+            max_tokens=args.warmup_steps + 3 * args.steps + 2,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self.ids: list[str] = []  # oldest first
+        self.num_added = 0
+        self._add(batch, args.prompt_len)
+
+    def _add(self, count: int, prompt_len: int) -> None:
+        seed = self.args.seed + self.batch + self.num_added
+        for prompt in common.random_prompts(count, prompt_len, self.args.vocab, seed):
+            request_id = f"p{self.batch}-{self.num_added}"
+            self.engine.add_request(request_id, prompt, self.params)
+            self.ids.append(request_id)
+            self.num_added += 1
+
+    def start(self) -> None:
+        """Steps until every request is past its prefill, then the warm-up steps."""
+        running, prompt_len = self.engine.scheduler.running, self.args.prompt_len
+        while sum(g.seqs[0].num_computed_tokens >= prompt_len for g in running) < self.batch:
+            self.engine.step()
+        for _ in range(self.args.warmup_steps):
+            self.churn()
+            self.engine.step()
+
+    def churn(self) -> None:
+        """With --arrivals N: the N oldest requests end and N new ones arrive."""
+        arrivals = self.args.arrivals
+        for request_id in self.ids[:arrivals]:
+            self.engine.abort_request(request_id)
+        del self.ids[:arrivals]
+        self._add(arrivals, self.args.arrival_prompt_len)
+
+    def finish(self) -> None:
+        for request_id in self.ids:
+            self.engine.abort_request(request_id)  # frees its blocks at once
 
 
 def bytes_per_step(engine: LLMEngine) -> int:
@@ -126,11 +169,12 @@ def bytes_per_step(engine: LLMEngine) -> int:
     return weights + kv_per_token * tokens
 
 
-def wall_pass(engine: LLMEngine, steps: int) -> list[float]:
+def wall_pass(workload: Workload, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
+        workload.churn()
         start = time.perf_counter()
-        engine.step()
+        workload.engine.step()
         times.append((time.perf_counter() - start) * 1e3)
     return times
 
@@ -146,12 +190,15 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def gpu_pass(engine: LLMEngine, steps: int, cuda: bool, trace: Path | None) -> dict:
+def gpu_pass(workload: Workload, steps: int, cuda: bool, trace: Path | None) -> dict:
+    """The profiled window runs from the first step's start to the last one's end: with
+    --arrivals it holds the churn between steps too, time the GPU may idle."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
+            workload.churn()
             with torch.profiler.record_function(STEP_ANNOTATION):
-                engine.step()
+                workload.engine.step()
     if trace is not None:
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "trace.json"
@@ -207,15 +254,17 @@ def gpu_pass(engine: LLMEngine, steps: int, cuda: bool, trace: Path | None) -> d
     }
 
 
-def host_pass(engine: LLMEngine, steps: int) -> dict[str, float]:
+def host_pass(workload: Workload, steps: int) -> dict[str, float]:
     """Milliseconds per step spent in each engine phase (cumulative, as cProfile sees it)."""
     profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
+    total_ms = 0.0
     for _ in range(steps):
-        engine.step()
-    profiler.disable()
-    total_ms = (time.perf_counter() - start) * 1e3
+        workload.churn()
+        start = time.perf_counter()
+        profiler.enable()
+        workload.engine.step()
+        profiler.disable()
+        total_ms += (time.perf_counter() - start) * 1e3
     stats = pstats.Stats(profiler).stats
     phases = {"step_total_under_cprofile": total_ms / steps}
     for label, suffix, function in PHASES:
@@ -239,24 +288,27 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         bandwidth = device_copy_bandwidth(args.device, COPY_BYTES) if cuda else None
         for batch in args.batches:
-            start_decoding(engine, args, batch)
-            wall = wall_pass(engine, args.steps // 2)
+            workload = Workload(engine, args, batch)
+            workload.start()
+            prompt_tokens = engine.scheduler.num_prompt_tokens
+            wall = wall_pass(workload, args.steps // 2)
             step_bytes = bytes_per_step(engine)  # the middle of the wall pass
-            wall += wall_pass(engine, args.steps - args.steps // 2)
+            wall += wall_pass(workload, args.steps - args.steps // 2)
+            prompt_tokens = engine.scheduler.num_prompt_tokens - prompt_tokens
             trace = None
             if args.trace_dir is not None:
                 args.trace_dir.mkdir(parents=True, exist_ok=True)
                 trace = args.trace_dir / f"profile_decode_b{batch}.json.gz"
-            gpu = gpu_pass(engine, args.steps, cuda, trace)
-            host = host_pass(engine, args.steps)
-            for group in list(engine.scheduler.running):
-                engine.abort_request(group.request_id)  # frees its blocks at once
+            gpu = gpu_pass(workload, args.steps, cuda, trace)
+            host = host_pass(workload, args.steps)
+            workload.finish()
             median = statistics.median(wall)
             roofline_ms = step_bytes / bandwidth * 1e3 if bandwidth else None
             row = {
                 "batch": batch,
                 "step_ms_median": median,
                 "output_tokens_per_s": batch / (median / 1e3),
+                "prompt_tokens_per_step": prompt_tokens / len(wall),
                 "bytes_per_step": step_bytes,
                 "roofline_step_ms": roofline_ms,
                 "fraction_of_roofline": roofline_ms / median if roofline_ms else None,
