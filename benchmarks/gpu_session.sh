@@ -16,7 +16,7 @@
 # needs them) and the server's: `bash benchmarks/gpu_wheels.sh` fetches them here as wheels
 # into .whl/ (the versions in .venv); carry .whl there and install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit;
 # For `compare`, put the other checkout in an ignored folder of this one and carry it too:
 #   mkdir .before && git archive REV | tar -x -C .before
 #
@@ -103,10 +103,14 @@ serve)
     # the same requests, four client processes so the client is not the bottleneck. 1024
     # requests, 256 running at a time: 256 alone take well under a second offline, too short a
     # window against the servers' start-up spread.
+    # With py-spy (carried as a wheel, its binary on the PATH), every server process's stacks
+    # in each mode's first timed run: the core spins on CUDA events, so its CPU time alone
+    # cannot tell its work from its waiting.
+    stacks=()
+    command -v py-spy >/dev/null && stacks=(--py-spy-dir "$out/stacks")
     step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
         --dtype float16 --num-requests 1024 --modes streamed unstreamed interval8 api2 \
-        --client-procs 4 \
-        --repeats 3 --result-file "$out/serving_throughput_gpt2.json"
+        --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     model=$(mktemp -d)/model
     "$python" -c "import sys; from pathlib import Path

@@ -26,7 +26,10 @@ sent to the last stream's end. Where the time goes, per run:
     around the model's `forward` and `compute_logits`;
   - served: each server process's CPU time per token (`/proc`, Linux): the API process(es)
     and the engine core, so that a figure this machine's noise moves can still be
-    attributed.
+    attributed. --py-spy-dir DIR also samples every server process's Python stacks during
+    each mode's first timed run (py-spy, raw folded stacks, one file per mode): on a GPU,
+    where the core's CPU time is all of its wall time (it spins on CUDA events), that is
+    what tells its work from its waiting.
 
     .venv/bin/python benchmarks/serving_throughput.py --layers 6 --hidden 512
     .venv/bin/python benchmarks/serving_throughput.py --preset gpu-speed \
@@ -38,15 +41,19 @@ Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 try:
@@ -65,6 +72,10 @@ from octavo.server.server_args import DEFAULT_MODEL
 # The GPU memory fraction the offline engine may take, the served one getting the rest.
 OFFLINE_GPU_SHARE = 0.4
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# py-spy's sampling rate, and the time it is given to attach before the clients start.
+PY_SPY_RATE_HZ = 200
+PY_SPY_ATTACH_S = 1.0
 MODEL_NAME = "bench"
 # Served configurations: `octavo serve` flags, and whether the requests stream.
 MODES: dict[str, tuple[list[str], bool]] = {
@@ -124,10 +135,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", type=Path, default=None)
+    parser.add_argument("--py-spy-dir", type=Path, default=None,
+                        help="sample server stacks in each mode's first timed run")  # fmt: skip
     preset = parser.parse_known_args(argv)[0].preset
     if preset is not None:
         parser.set_defaults(**PRESETS[preset])
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.py_spy_dir is not None and py_spy_executable() is None:
+        parser.error("--py-spy-dir needs py-spy (the dev extra) beside python or on the PATH")
+    return args
+
+
+def py_spy_executable() -> str | None:
+    """py-spy from this interpreter's scripts folder (a virtualenv's, not on the PATH when
+    its python is run by path), else from the PATH."""
+    folders = [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    return shutil.which("py-spy", path=os.pathsep.join(folders))
+
+
+@contextlib.contextmanager
+def stack_samples(pid: int, out: Path | None) -> Iterator[None]:
+    """py-spy sampling process `pid` and its descendants while the block runs, its folded
+    stacks (one line per stack, with its sample count) written to `out`; nothing if None."""
+    if out is None:
+        yield
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [str(py_spy_executable()), "record", "--pid", str(pid), "--subprocesses",
+               "--nonblocking", "--format", "raw", "--rate", str(PY_SPY_RATE_HZ),
+               "--output", str(out)]  # fmt: skip
+    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(PY_SPY_ATTACH_S)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT, not on SIGTERM
+        _, errors = spy.communicate(timeout=PY_SPY_ATTACH_S * 10)
+        if spy.returncode:
+            print(f"py-spy failed ({spy.returncode}): {errors.strip()}", file=sys.stderr)
 
 
 def write_model(folder: Path, args: argparse.Namespace) -> int:
@@ -272,9 +317,14 @@ def run_served(
         sent = bodies(requests, stream)
         run_clients(port, sent)  # warm-up: the whole workload once, untimed
         runs = []
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             before = process_tree_cpu(server.pid)
-            run = run_clients(port, sent, args.client_procs)
+            samples = None
+            if args.py_spy_dir is not None and repeat == 0:
+                prefix = "" if root == REPO_ROOT else "before_"
+                samples = args.py_spy_dir / f"{prefix}{mode}.txt"
+            with stack_samples(server.pid, samples):
+                run = run_clients(port, sent, args.client_procs)
             after = process_tree_cpu(server.pid)
             run["cpu_us_per_token"] = {
                 name: (seconds - before.get(name, 0.0)) / run["completion_tokens"] * 1e6
@@ -314,7 +364,7 @@ def process_tree_cpu(pid: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    here = Path(__file__).resolve().parents[1]
+    here = REPO_ROOT
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         vocab = write_model(model, args)

@@ -31,7 +31,12 @@ def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_pat
         "serving_throughput.py", tmp_path / "s.json", *TINY,
         "--num-requests", "6", "--prompt-len", "4-8", "--output-len", "5-9", "--repeats", "1",
         "--modes", "streamed", "inprocess", "unstreamed", "interval8",
+        "--py-spy-dir", str(tmp_path / "stacks"),
     )  # fmt: skip
+    # The engine core's busy loop, sampled in its own process (and in the API process's
+    # thread with --inprocess-engine) while the first timed run served.
+    for mode in ("streamed", "inprocess"):
+        assert "run_busy_loop" in (tmp_path / "stacks" / f"{mode}.txt").read_text(), mode
     tokens = result["offline"]["completion_tokens"]
     assert 6 * 5 <= tokens <= 6 * 9  # each request's length drawn from 5-9
     assert set(result["served"]) == {"streamed", "inprocess", "unstreamed", "interval8"}
