@@ -58,6 +58,13 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest sequence (default: the model's n_positions)"}
     )
+    prefill_interval: int = field(
+        default=1,
+        metadata={"help": "while sequences decode, admit waiting requests (start their "
+                  "prefill) at most every this many steps, at once when nothing runs: the "
+                  "steps between stay decode-only, which CUDA graphs replay, at the cost of "
+                  "up to this many steps of waiting (TGI's max_waiting_tokens)"},
+    )  # fmt: skip
     load_format: str = field(
         default="auto", metadata={"help": "dummy: random weights of the config's shape",
                                   "choices": _LOAD_FORMATS}
@@ -109,6 +116,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.prefill_interval < 1:
+            raise ValueError(f"prefill_interval must be >= 1, got {self.prefill_interval}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -99,7 +99,9 @@ class EngineCore:
                 f"tokens plus the null block)"
             )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.prefill_interval
+            ),
             self.block_manager,
             StopChecker(self.eos_token_id),
         )

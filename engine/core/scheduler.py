@@ -76,6 +76,9 @@ class _StepBuilder:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    # Waiting requests are admitted at most every this many steps while others run (at once
+    # when nothing runs): the steps between stay decode-only (EngineConfig.prefill_interval).
+    prefill_interval: int = 1
 
 
 class Scheduler:
@@ -86,7 +89,8 @@ class Scheduler:
     the BlockManager cannot hold them, the most recently admitted group is preempted (its
     blocks freed, its tokens kept, recomputed later from the front of the waiting queue).
     Then waiting groups are admitted, in arrival order, while budget, `max_num_seqs` and free
-    blocks allow; a prompt longer than the remaining budget is prefilled in chunks.
+    blocks allow; a prompt longer than the remaining budget is prefilled in chunks. While
+    groups run, admissions happen at most every `prefill_interval` steps.
 
     A row that samples makes a token pending (`Sequence.num_pending_tokens`) until `update`
     receives it. `schedule` may run before the previous step's `update` (async scheduling):
@@ -109,6 +113,7 @@ class Scheduler:
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
         self._num_running_seqs: int | None = None  # None: to be recounted
+        self._steps_since_admission = 0  # schedule() calls since one last admitted a group
         # Per sequence sampled so far (until it finishes): its row (see _sample_row).
         self._sample_rows: dict[int, ScheduleRow] = {}
         self._new_sampled: list[NewSampledSequence] = []  # since the last schedule()
@@ -239,9 +244,13 @@ class Scheduler:
             budget -= self._commit(group, plan, step)
             index += 1
 
-        num_seqs = self.num_running_seqs if self.waiting else 0
+        admits = not self.running or (
+            self._steps_since_admission + 1 >= self.config.prefill_interval
+        )
+        num_seqs = self.num_running_seqs if self.waiting and admits else 0
         max_num_seqs = self.config.max_num_seqs
-        while self.waiting and budget > 0 and not preempted:
+        num_running = len(self.running)
+        while admits and self.waiting and budget > 0 and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs
             if num_seqs + max(len(seqs), group.num_sequences) > max_num_seqs:
@@ -265,6 +274,8 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
             budget -= self._commit(group, plan, step)
+        admitted = len(self.running) > num_running
+        self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
 
         changed, freed = bm.take_changes()
         output = SchedulerOutput(

@@ -73,13 +73,16 @@ def test_chunked_prefill_under_a_small_token_budget(
     check(outputs, expected)
 
 
+@pytest.mark.parametrize("prefill_interval", [1, 3])
 def test_preemption_by_recompute_changes_no_token(
-    tiny_model_dir, prompts, expected, async_scheduling
+    tiny_model_dir, prompts, expected, async_scheduling, prefill_interval
 ):
+    """Also with admissions every third step at most: preempted requests wait for theirs."""
     # 40 blocks of 8 tokens: one longest request (224 tokens, 28 blocks) fits, all 18 do not.
     engine = engine_for(
-        tiny_model_dir, async_scheduling, num_blocks=40, block_size=8, max_num_batched_tokens=96
-    )
+        tiny_model_dir, async_scheduling, num_blocks=40, block_size=8, max_num_batched_tokens=96,
+        prefill_interval=prefill_interval,
+    )  # fmt: skip
     outputs = run_to_completion(
         engine, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     )

@@ -119,6 +119,7 @@ def test_a_serve_config_reads_into_what_the_same_flags_parse_to():
         ({"routing": "random"}, "'routing' must be one of \\['least-loaded', 'prefix'\\]"),
         ({"dtype": "float8"}, "'dtype' must be one of"),
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),  # EngineConfig's own check
+        ({"prefill_interval": 0}, "prefill_interval must be >= 1, got 0"),
     ],
 )
 def test_a_bad_serve_config_is_refused_naming_the_key(config, message):

@@ -17,9 +17,10 @@ _tokens = itertools.count(10)
 MAX_MODEL_LEN = 64
 
 
-def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8):
+def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, prefill_interval=1):
     bm = BlockManager(num_blocks, block_size)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget), bm, StopChecker(EOS))
+    config = SchedulerConfig(max_num_seqs, budget, prefill_interval)
+    scheduler = Scheduler(config, bm, StopChecker(EOS))
     return scheduler, bm
 
 
@@ -202,3 +203,38 @@ def test_the_cached_running_count_equals_a_recount_through_forks_preemption_and_
         recount = sum(g.num_unfinished_seqs for g in scheduler.running)
         assert scheduler.num_running_seqs == recount <= 6
     assert not scheduler.has_unfinished() and preempted > 0
+
+
+def test_a_prefill_interval_admits_at_most_every_n_steps_and_at_once_when_idle():
+    """prefill_interval 3: a request arriving while another decodes waits until 3 steps have
+    passed since the last admission (the steps between are decode-only); with nothing
+    running, an arrival is admitted in the next step."""
+    scheduler, bm = make_scheduler(num_blocks=32, prefill_interval=3)
+    add(scheduler, "a", 5, max_tokens=30)
+    assert plan(step(scheduler, bm)) == [("a", 5)]  # nothing ran: admitted at once
+    add(scheduler, "b", 4, max_tokens=30)
+    assert plan(step(scheduler, bm)) == [("a", 1)]
+    add(scheduler, "c", 3, max_tokens=30)
+    assert plan(step(scheduler, bm)) == [("a", 1)]
+    # The third step since "a" was admitted: both waiting requests come in together.
+    assert plan(step(scheduler, bm)) == [("a", 1), ("b", 4), ("c", 3)]
+    add(scheduler, "d", 2, max_tokens=30)
+    plans = [plan(step(scheduler, bm)) for _ in range(3)]
+    assert plans == [
+        [("a", 1), ("b", 1), ("c", 1)],
+        [("a", 1), ("b", 1), ("c", 1)],
+        [("a", 1), ("b", 1), ("c", 1), ("d", 2)],
+    ]
+    for request_id in "abcd":
+        scheduler.abort(request_id)
+    assert not scheduler.running
+    add(scheduler, "e", 2, max_tokens=4)
+    assert plan(step(scheduler, bm)) == [("e", 2)]  # idle again: no wait
+
+
+def test_a_prefill_interval_of_one_admits_every_step():
+    scheduler, bm = make_scheduler(num_blocks=32)
+    add(scheduler, "a", 5, max_tokens=30)
+    step(scheduler, bm)
+    add(scheduler, "b", 4, max_tokens=30)
+    assert plan(step(scheduler, bm)) == [("a", 1), ("b", 4)]
