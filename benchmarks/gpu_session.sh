@@ -80,6 +80,10 @@ engine)
     step profile_decode_arrivals "$python" benchmarks/profile_decode.py --device cuda \
         --dtype float16 --preset gpt2 --batches 64 256 --arrivals 2 \
         --result-file "$out/profile_decode_arrivals.json"
+    # The same arrivals admitted every 8th step only: 7 of 8 steps replay the decode graphs.
+    step profile_decode_arrivals_interval8 "$python" benchmarks/profile_decode.py \
+        --device cuda --dtype float16 --preset gpt2 --batches 64 256 --arrivals 2 \
+        --prefill-interval 8 --result-file "$out/profile_decode_arrivals_interval8.json"
     step profile_decode_sync "$python" benchmarks/profile_decode.py --device cuda \
         --dtype float16 --preset gpt2 --no-async-scheduling \
         --result-file "$out/profile_decode_sync.json"
@@ -111,6 +115,11 @@ serve)
     step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
         --dtype float16 --num-requests 1024 --modes streamed unstreamed interval8 api2 \
         --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
+    # Offline and served again with admissions every 8th step (--prefill-interval 8).
+    step serving_gpt2_interval8 "$python" benchmarks/serving_throughput.py --preset gpt2 \
+        --device cuda --dtype float16 --num-requests 1024 --prefill-interval 8 \
+        --modes streamed unstreamed --client-procs 4 --repeats 3 \
+        --result-file "$out/serving_throughput_gpt2_prefill_interval8.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     model=$(mktemp -d)/model
     "$python" -c "import sys; from pathlib import Path

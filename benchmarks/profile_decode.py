@@ -58,7 +58,7 @@ STEP_ANNOTATION = "octavo_step"
 # How the CUDA profiler names device events that are copies or fills, not kernels.
 DEVICE_COPY_PREFIXES = ("Memcpy", "Memset")
 SETTINGS = ("preset", "dtype", "batches", "prompt_len", "steps", "warmup_steps", "enforce_eager",
-            "seed", "smoke", "arrivals", "arrival_prompt_len")  # fmt: skip
+            "seed", "smoke", "arrivals", "arrival_prompt_len", "prefill_interval")  # fmt: skip
 # The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
 PHASES = (
     ("schedule", "scheduler.py", "schedule"),
@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="requests ending and arriving before every step (0: decode-only steps)",
     )
     p.add_argument("--arrival-prompt-len", type=int, default=24)
+    p.add_argument(
+        "--prefill-interval",
+        type=int,
+        default=1,
+        help="the engine's: arrivals admitted at most every this many steps",
+    )
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -284,17 +290,19 @@ def main(argv: list[str] | None = None) -> int:
         engine = common.make_engine(
             folder, args, max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
             max_num_batched_tokens=max(2048, max(args.batches)),
-            async_scheduling=args.async_scheduling,
+            async_scheduling=args.async_scheduling, prefill_interval=args.prefill_interval,
         )  # fmt: skip
         bandwidth = device_copy_bandwidth(args.device, COPY_BYTES) if cuda else None
         for batch in args.batches:
             workload = Workload(engine, args, batch)
             workload.start()
             prompt_tokens = engine.scheduler.num_prompt_tokens
+            generated = engine.scheduler.num_generation_tokens
             wall = wall_pass(workload, args.steps // 2)
             step_bytes = bytes_per_step(engine)  # the middle of the wall pass
             wall += wall_pass(workload, args.steps - args.steps // 2)
             prompt_tokens = engine.scheduler.num_prompt_tokens - prompt_tokens
+            generated = engine.scheduler.num_generation_tokens - generated
             trace = None
             if args.trace_dir is not None:
                 args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -307,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "batch": batch,
                 "step_ms_median": median,
+                # With --arrivals and a --prefill-interval, the mixed steps are the few slow
+                # ones: the mean, not the median, is what throughput follows.
+                "step_ms_mean": statistics.fmean(wall),
+                # Tokens sampled over the timed steps' own time: under arrivals admitted every
+                # few steps the batch is not always `batch` sequences.
+                "generated_tokens_per_s": generated / (sum(wall) / 1e3),
                 "output_tokens_per_s": batch / (median / 1e3),
                 "prompt_tokens_per_step": prompt_tokens / len(wall),
                 "bytes_per_step": step_bytes,
@@ -328,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                 else (f"{roofline_ms:.3f} ms ({roofline_ms / median:.0%} of the step)")
             )
             print(
-                f"batch {batch:4d}: step {median:.3f} ms, GPU busy {busy_text}, "
+                f"batch {batch:4d}: step {median:.3f} ms (mean {row['step_ms_mean']:.3f}, "
+                f"{row['generated_tokens_per_s']:,.0f} tok/s), "
+                f"GPU busy {busy_text}, "
                 f"bandwidth roofline {roof_text}, kernels per step {row['kernels_per_step']}"
             )
             print("   host phases (ms/step, cProfile): " + ", ".join(

@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=length_range, default=(128, 128))
     parser.add_argument("--output-len", type=length_range, default=(64, 64))
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--prefill-interval", type=int, default=1,
+                        help="the engine's, offline and served")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="the engine's device, offline and served")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     parser.add_argument("--modes", nargs="+", choices=list(MODES),
@@ -224,6 +226,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": max(2048, args.prompt_len[1]),
+        "prefill_interval": args.prefill_interval,
     }
 
 
@@ -307,6 +310,8 @@ def run_served(
     cmd += ["--load-format", "dummy", "--device", flags["device"], "--dtype", flags["dtype"]]
     cmd += ["--max-num-seqs", str(flags["max_num_seqs"])]
     cmd += ["--max-num-batched-tokens", str(flags["max_num_batched_tokens"])]
+    if args.prefill_interval != 1:  # a flag older checkouts (--before-root) may not have
+        cmd += ["--prefill-interval", str(args.prefill_interval)]
     extra, stream = MODES[mode]
     cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]
     # The checkout first; a PYTHONPATH already set (packages carried to a GPU machine) stays.
@@ -383,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "client_procs": args.client_procs,
+                "prefill_interval": args.prefill_interval,
             },
             "offline": run_offline(model, requests, args),
             "served": {},

@@ -25,6 +25,10 @@ def test_profile_decode_smoke_writes_its_result(tmp_path):
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert row["prompt_tokens_per_step"] == 0  # decode-only steps
+        # Every sequence samples one token per timed step.
+        assert row["generated_tokens_per_s"] == pytest.approx(
+            row["batch"] / (row["step_ms_mean"] / 1e3)
+        )
         assert row["step_ms_median"] > 0 and row["profiled_step_ms"] > 0
         assert row["output_tokens_per_s"] == pytest.approx(
             row["batch"] / (row["step_ms_median"] / 1e3)
