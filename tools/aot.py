@@ -65,6 +65,9 @@ WORKLOAD_ROWS = 8
 # GPTBigCode with multi-query attention at GPT-2 small's size: one K/V head for 12 query
 # heads (the grouped kernels' GROUP_SIZE 12).
 MULTI_QUERY_HEADS = 12
+# A head narrower than tl.dot's least inner dimension (16), as small configurations have
+# (the suite's GPTBigCode: 4 heads of 8, one K/V head), in the suite's float32.
+NARROW_HEADS, NARROW_HEAD_DIM = 4, 8
 # The engine's default block size, and a context that spans several blocks and decode splits.
 WORKLOAD_BLOCK_SIZE = 16
 WORKLOAD_CONTEXT = 1024
@@ -161,11 +164,18 @@ def gpt2_workload() -> list[KernelLaunch]:
             _attention_launches(MULTI_QUERY_HEADS, 1, dtype)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=8)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=LARGE_CACHE_BLOCKS)
+        _attention_launches(NARROW_HEADS, 1, torch.float32, NARROW_HEAD_DIM, splits=(1,))
     return launches
 
 
-def _attention_launches(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-    head_dim, block_size = GPT2_HEAD_DIM, WORKLOAD_BLOCK_SIZE
+def _attention_launches(
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    head_dim: int = GPT2_HEAD_DIM,
+    splits: tuple[int, ...] = WORKLOAD_SPLITS,
+) -> None:
+    block_size = WORKLOAD_BLOCK_SIZE
     blocks_per_seq = WORKLOAD_CONTEXT // block_size
     num_seqs = 4
     k_cache, v_cache = torch.zeros(
@@ -180,11 +190,12 @@ def _attention_launches(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -
     _store_and_attend(
         k_cache, v_cache, num_heads, block_tables[:2], query_lens, seq_lens, scale, None
     )
-    for splits in WORKLOAD_SPLITS:
+    for num_splits in splits:
         decode_lens = [WORKLOAD_CONTEXT] * num_seqs
         _store_and_attend(
-            k_cache, v_cache, num_heads, block_tables, [1] * num_seqs, decode_lens, scale, splits
-        )
+            k_cache, v_cache, num_heads, block_tables, [1] * num_seqs, decode_lens, scale,
+            num_splits,
+        )  # fmt: skip
 
 
 def _store_and_attend(
