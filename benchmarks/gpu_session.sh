@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh engine  OUT_DIR   # step latency, beam, profile, host work
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
+#   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
@@ -24,7 +25,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|compare OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -75,15 +76,6 @@ engine)
     # One-step-ahead scheduling is the CUDA default; each measurement also runs without it.
     step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/profile_decode.json" --trace-dir "$out/traces"
-    # Under arrivals (two prompts of 24 tokens prefilled beside each step's decodes, as on
-    # `serve`'s workload): steps the decode graphs cannot replay.
-    step profile_decode_arrivals "$python" benchmarks/profile_decode.py --device cuda \
-        --dtype float16 --preset gpt2 --batches 64 256 --arrivals 2 \
-        --result-file "$out/profile_decode_arrivals.json"
-    # The same arrivals admitted every 8th step only: 7 of 8 steps replay the decode graphs.
-    step profile_decode_arrivals_interval8 "$python" benchmarks/profile_decode.py \
-        --device cuda --dtype float16 --preset gpt2 --batches 64 256 --arrivals 2 \
-        --prefill-interval 8 --result-file "$out/profile_decode_arrivals_interval8.json"
     step profile_decode_sync "$python" benchmarks/profile_decode.py --device cuda \
         --dtype float16 --preset gpt2 --no-async-scheduling \
         --result-file "$out/profile_decode_sync.json"
@@ -115,11 +107,6 @@ serve)
     step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
         --dtype float16 --num-requests 1024 --modes streamed unstreamed interval8 api2 \
         --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
-    # Offline and served again with admissions every 8th step (--prefill-interval 8).
-    step serving_gpt2_interval8 "$python" benchmarks/serving_throughput.py --preset gpt2 \
-        --device cuda --dtype float16 --num-requests 1024 --prefill-interval 8 \
-        --modes streamed unstreamed --client-procs 4 --repeats 3 \
-        --result-file "$out/serving_throughput_gpt2_prefill_interval8.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     model=$(mktemp -d)/model
     "$python" -c "import sys; from pathlib import Path
@@ -150,6 +137,25 @@ PY
     done
     kill "$server"
     wait "$server"
+    ;;
+arrivals)
+    # Steps under arrivals (two prompts of 24 tokens prefilled beside each step's decodes,
+    # as on the serve stage's workload) do not fit the decode graphs. Profiled with
+    # admissions every step and every 8th step (--prefill-interval 8: 7 steps of 8 replay
+    # the graphs), alternated; then offline and served at interval 8 (interval 1 is the
+    # serve stage's run).
+    for round in 1 2; do
+        for interval in 1 8; do
+            step "profile_arrivals_interval${interval}_$round" "$python" \
+                benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2 \
+                --batches 64 256 --arrivals 2 --prefill-interval "$interval" \
+                --result-file "$out/profile_arrivals_interval${interval}_$round.json"
+        done
+    done
+    step serving_gpt2_interval8 "$python" benchmarks/serving_throughput.py --preset gpt2 \
+        --device cuda --dtype float16 --num-requests 1024 --prefill-interval 8 \
+        --modes streamed unstreamed --client-procs 4 --repeats 3 \
+        --result-file "$out/serving_throughput_gpt2_prefill_interval8.json"
     ;;
 compare)
     # Profiles first, alternated, then the tests, then a second round of profiles: a call
