@@ -117,8 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Workload:
-    """The requests of one batch size: `step()` runs one engine step, after the churn of
-    --arrivals (the oldest requests aborted, as many new ones added) when asked for."""
+    """The requests of one batch size, oldest first; `churn()` before each timed step makes
+    the --arrivals (the oldest requests aborted, as many new ones added)."""
 
     def __init__(self, engine: LLMEngine, args: argparse.Namespace, batch: int):
         self.engine, self.args, self.batch = engine, args, batch
