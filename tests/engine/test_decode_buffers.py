@@ -8,13 +8,15 @@ import torch
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams
 from octavo.engine.worker.cuda_graphs import DecodeInputBuffers, forward_bucket
 from octavo.engine.worker.input_batch import HostBatch, PendingInputs
+from octavo.kernels.paged_attention import MIN_CONTEXT_TO_SPLIT
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 
-# An H100's multiprocessor count and a long max_model_len: the buckets' fixed split-KV
-# factor is then > 1, as on the GPU.
+# An H100's multiprocessor count and the shortest max_model_len that splits: the buckets'
+# fixed split-KV factor is then > 1, as on the GPU. Longer contexts only add interpreted
+# split programs.
 H100_SMS = 132
-BUFFER_MAX_MODEL_LEN = 1024
+BUFFER_MAX_MODEL_LEN = MIN_CONTEXT_TO_SPLIT
 
 
 class EagerBucketReplay:
