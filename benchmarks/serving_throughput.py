@@ -63,7 +63,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.common import PhaseTimer, git_commit, write_result
+from octavo.benchmarks.common import REPO_ROOT, PhaseTimer, git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES
@@ -72,7 +72,6 @@ from octavo.server.server_args import DEFAULT_MODEL
 # The GPU memory fraction the offline engine may take, the served one getting the rest.
 OFFLINE_GPU_SHARE = 0.4
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # py-spy's sampling rate, and the time it is given to attach before the clients start.
 PY_SPY_RATE_HZ = 200
 PY_SPY_ATTACH_S = 1.0

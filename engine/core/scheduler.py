@@ -113,7 +113,7 @@ class Scheduler:
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
         self._num_running_seqs: int | None = None  # None: to be recounted
-        self._steps_since_admission = 0  # schedule() calls since one last admitted a group
+        self._steps_since_admission = 0  # schedule() calls since one admitted a group
         # Per sequence sampled so far (until it finishes): its row (see _sample_row).
         self._sample_rows: dict[int, ScheduleRow] = {}
         self._new_sampled: list[NewSampledSequence] = []  # since the last schedule()
@@ -244,12 +244,10 @@ class Scheduler:
             budget -= self._commit(group, plan, step)
             index += 1
 
-        admits = not self.running or (
-            self._steps_since_admission + 1 >= self.config.prefill_interval
-        )
+        self._steps_since_admission += 1
+        admits = not self.running or self._steps_since_admission >= self.config.prefill_interval
         num_seqs = self.num_running_seqs if self.waiting and admits else 0
         max_num_seqs = self.config.max_num_seqs
-        num_running = len(self.running)
         while admits and self.waiting and budget > 0 and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs
@@ -274,8 +272,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
             budget -= self._commit(group, plan, step)
-        admitted = len(self.running) > num_running
-        self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
+            self._steps_since_admission = 0
 
         changed, freed = bm.take_changes()
         output = SchedulerOutput(
