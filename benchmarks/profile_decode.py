@@ -122,11 +122,12 @@ class Workload:
 
     def __init__(self, engine: LLMEngine, args: argparse.Namespace, batch: int):
         self.engine, self.args, self.batch = engine, args, batch
-        # Enough tokens for the warm-up and the three passes, so no request ends
-        # mid-profile. Outputs only when a request ends, as `LLM.generate` asks for them.
+        # As many tokens as the context allows, so no request ends mid-profile however many
+        # steps the batch takes to fill (with a --prefill-interval, prompts are admitted only
+        # every few steps). Outputs only when a request ends, as `LLM.generate` asks for them.
         self.params = SamplingParams(
             temperature=0,
-            max_tokens=args.warmup_steps + 3 * args.steps + 2,
+            max_tokens=engine.max_model_len - max(args.prompt_len, args.arrival_prompt_len),
             ignore_eos=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -146,7 +147,9 @@ class Workload:
         """Steps until every request is past its prefill, then the warm-up steps."""
         running, prompt_len = self.engine.scheduler.running, self.args.prompt_len
         while sum(g.seqs[0].num_computed_tokens >= prompt_len for g in running) < self.batch:
-            self.engine.step()
+            if self.engine.step():  # FINAL_ONLY: an output means a request ended
+                raise RuntimeError(f"a request of the batch of {self.batch} ended before the "
+                                   "batch was all prefilled")  # fmt: skip
         for _ in range(self.args.warmup_steps):
             self.churn()
             self.engine.step()
