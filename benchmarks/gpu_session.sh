@@ -141,9 +141,9 @@ PY
 arrivals)
     # Steps under arrivals (two prompts of 24 tokens prefilled beside each step's decodes,
     # as on the serve stage's workload) do not fit the decode graphs. Profiled with
-    # admissions every step and every 8th step (--prefill-interval 8: 7 steps of 8 replay
-    # the graphs), alternated; then offline and served at interval 8 (interval 1 is the
-    # serve stage's run).
+    # admissions every step and every 8th step (--prefill-interval 8, the CUDA default: 7
+    # steps of 8 replay the graphs), alternated; then offline and served at interval 1
+    # (the default is the serve stage's run).
     for round in 1 2; do
         for interval in 1 8; do
             step "profile_arrivals_interval${interval}_$round" "$python" \
@@ -152,10 +152,10 @@ arrivals)
                 --result-file "$out/profile_arrivals_interval${interval}_$round.json"
         done
     done
-    step serving_gpt2_interval8 "$python" benchmarks/serving_throughput.py --preset gpt2 \
-        --device cuda --dtype float16 --num-requests 1024 --prefill-interval 8 \
+    step serving_gpt2_interval1 "$python" benchmarks/serving_throughput.py --preset gpt2 \
+        --device cuda --dtype float16 --num-requests 1024 --prefill-interval 1 \
         --modes streamed unstreamed --client-procs 4 --repeats 3 \
-        --result-file "$out/serving_throughput_gpt2_prefill_interval8.json"
+        --result-file "$out/serving_throughput_gpt2_prefill_interval1.json"
     ;;
 compare)
     # Profiles first, alternated, then the tests, then a second round of profiles: a call

@@ -90,8 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-interval",
         type=int,
-        default=1,
-        help="the engine's: arrivals admitted at most every this many steps",
+        default=None,
+        help="the engine's: arrivals admitted at most every this many steps (default: the "
+        "engine's)",
     )
     p.add_argument(
         "--async-scheduling",
@@ -358,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             **{key: getattr(args, key) for key in SETTINGS},
             "async_scheduling": engine.config.schedules_ahead,
+            "prefill_interval": engine.config.admission_interval,
         },
         "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
         "rows": rows,

@@ -117,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=length_range, default=(128, 128))
     parser.add_argument("--output-len", type=length_range, default=(64, 64))
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--prefill-interval", type=int, default=1,
-                        help="the engine's, offline and served")  # fmt: skip
+    parser.add_argument("--prefill-interval", type=int,
+                        help="the engine's, offline and served (default: its default)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="the engine's device, offline and served")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     parser.add_argument("--modes", nargs="+", choices=list(MODES),
@@ -309,7 +309,7 @@ def run_served(
     cmd += ["--load-format", "dummy", "--device", flags["device"], "--dtype", flags["dtype"]]
     cmd += ["--max-num-seqs", str(flags["max_num_seqs"])]
     cmd += ["--max-num-batched-tokens", str(flags["max_num_batched_tokens"])]
-    if args.prefill_interval != 1:  # a flag older checkouts (--before-root) may not have
+    if args.prefill_interval is not None:  # a flag older checkouts (--before-root) lack
         cmd += ["--prefill-interval", str(args.prefill_interval)]
     extra, stream = MODES[mode]
     cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]

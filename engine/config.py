@@ -14,6 +14,9 @@ DTYPES = {
 }
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# The default prefill_interval where decode steps replay CUDA graphs: the interval measured
+# against admitting every step (benchmarks/README, "prefill interval").
+GRAPH_PREFILL_INTERVAL = 8
 # A CPU KV cache of this size holds tens of thousands of tokens even for GPT-2 xl: the
 # cache is allocated with torch.empty, so pages nobody touches cost no RAM.
 DEFAULT_CPU_KV_CACHE_GB = 2.0
@@ -58,12 +61,15 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest sequence (default: the model's n_positions)"}
     )
-    prefill_interval: int = field(
-        default=1,
+    prefill_interval: int | None = field(
+        default=None,
         metadata={"help": "while sequences decode, admit waiting requests (start their "
                   "prefill) at most every this many steps, at once when nothing runs: the "
                   "steps between stay decode-only, which CUDA graphs replay, at the cost of "
-                  "up to this many steps of waiting (TGI's max_waiting_tokens)"},
+                  "up to this many steps of waiting (TGI's max_waiting_tokens). Default: "
+                  f"{GRAPH_PREFILL_INTERVAL} where decode steps replay CUDA graphs, whose "
+                  "steps with prefills run eagerly at several times a graph step's cost; 1 "
+                  "elsewhere"},
     )  # fmt: skip
     load_format: str = field(
         default="auto", metadata={"help": "dummy: random weights of the config's shape",
@@ -116,7 +122,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.prefill_interval < 1:
+        if self.prefill_interval is not None and self.prefill_interval < 1:
             raise ValueError(f"prefill_interval must be >= 1, got {self.prefill_interval}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
@@ -146,6 +152,23 @@ class EngineConfig:
         if self.async_scheduling is None:
             return self.torch_device.type == "cuda"
         return self.async_scheduling
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs: Triton attention on CUDA, not eager."""
+        return (
+            self.torch_device.type == "cuda"
+            and self.backend_name == "triton"
+            and not self.enforce_eager
+        )
+
+    @property
+    def admission_interval(self) -> int:
+        """The steps between admissions while sequences decode: `prefill_interval`, or by
+        whether decode steps replay CUDA graphs if unset."""
+        if self.prefill_interval is None:
+            return GRAPH_PREFILL_INTERVAL if self.uses_cuda_graphs else 1
+        return self.prefill_interval
 
     @property
     def backend_name(self) -> str:

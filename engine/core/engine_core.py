@@ -100,7 +100,7 @@ class EngineCore:
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.prefill_interval
+                config.max_num_seqs, config.max_num_batched_tokens, config.admission_interval
             ),
             self.block_manager,
             StopChecker(self.eos_token_id),
@@ -123,7 +123,7 @@ class EngineCore:
             dtype,
             grammars,
         )
-        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+        if config.uses_cuda_graphs:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.limits = ModelLimits(
             vocab_size=self.model_config.vocab_size,

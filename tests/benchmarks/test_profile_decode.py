@@ -46,6 +46,7 @@ def test_arrivals_make_every_timed_step_a_mixed_one(tmp_path):
     step, the batch kept at its size."""
     result = run_smoke(tmp_path, "--arrivals", "1", "--arrival-prompt-len", "5")
     assert result["settings"]["arrivals"] == 1
+    assert result["settings"]["prefill_interval"] == 1  # the engine's default on a CPU
     for row in result["rows"]:
         assert row["prompt_tokens_per_step"] == 5
         assert row["step_ms_median"] > 0

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from octavo import LLM, EngineConfig
+from octavo.engine.config import GRAPH_PREFILL_INTERVAL
 from octavo.server.cli import build_parser
 from octavo.server.dataclass_flags import from_flags
 from octavo.server.server_args import ServerArgs
@@ -63,3 +64,27 @@ def test_the_octavo_package_lazily_re_exports_exactly_the_engine_api():
 
     assert sorted(octavo.__all__) == sorted(octavo.engine.__all__)
     assert all(getattr(octavo, name) is getattr(octavo.engine, name) for name in octavo.__all__)
+
+
+@pytest.mark.parametrize(
+    ("settings", "graph_interval"),
+    [
+        ({"device": "cuda"}, True),
+        ({"device": "cuda:1", "dtype": "float32"}, True),
+        ({"device": "cuda", "enforce_eager": True}, False),
+        ({"device": "cuda", "attention_backend": "torch"}, False),
+        ({"device": "cpu"}, False),
+        ({"device": "cpu", "attention_backend": "triton"}, False),
+    ],
+)
+def test_the_prefill_interval_defaults_to_the_graph_interval_only_where_graphs_replay(
+    settings, graph_interval
+):
+    """Decode-only steps pay only where CUDA graphs replay them; elsewhere admissions are
+    not held back. A value given is kept either way."""
+    config = EngineConfig(model="m", **settings)
+    assert config.uses_cuda_graphs is graph_interval
+    assert config.admission_interval == (GRAPH_PREFILL_INTERVAL if graph_interval else 1)
+    for given in (1, 3):
+        given_config = EngineConfig(model="m", prefill_interval=given, **settings)
+        assert given_config.admission_interval == given
