@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
 #   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
+#   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # --piecewise-cuda-graphs against eager
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
@@ -25,7 +26,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|compare OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|piecewise|compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -156,6 +157,33 @@ arrivals)
         --device cuda --dtype float16 --num-requests 1024 --prefill-interval 1 \
         --modes streamed unstreamed --client-procs 4 --repeats 3 \
         --result-file "$out/serving_throughput_gpt2_prefill_interval1.json"
+    ;;
+piecewise)
+    # Steps that prefill replayed from piecewise graphs (--piecewise-cuda-graphs) against
+    # eager ones: the GPU test first (HF's greedy tokens through captured pieces), then steps
+    # under arrivals at --prefill-interval 1 and 8 (the CUDA default), each with and without
+    # the pieces, alternated; then offline and served on the serve stage's requests, both
+    # ways.
+    step gpu_tests_piecewise "$python" -m pytest -v -m gpu tests/engine/test_gpu_engine.py \
+        -k piecewise -p no:cacheprovider --timeout 300
+    for interval in 1 8; do
+        for mode in eager piecewise; do
+            flags=()
+            [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
+            step "profile_arrivals_interval${interval}_$mode" "$python" \
+                benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2 \
+                --batches 64 256 --arrivals 2 --prefill-interval "$interval" "${flags[@]}" \
+                --result-file "$out/profile_arrivals_interval${interval}_$mode.json"
+        done
+    done
+    for mode in piecewise eager; do
+        flags=()
+        [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
+        step "serving_gpt2_$mode" "$python" benchmarks/serving_throughput.py --preset gpt2 \
+            --device cuda --dtype float16 --num-requests 1024 --modes streamed unstreamed \
+            --client-procs 4 --repeats 2 "${flags[@]}" \
+            --result-file "$out/serving_throughput_gpt2_$mode.json"
+    done
     ;;
 compare)
     # Profiles first, alternated, then the tests, then a second round of profiles: a call

@@ -58,13 +58,16 @@ STEP_ANNOTATION = "octavo_step"
 # How the CUDA profiler names device events that are copies or fills, not kernels.
 DEVICE_COPY_PREFIXES = ("Memcpy", "Memset")
 SETTINGS = ("preset", "dtype", "batches", "prompt_len", "steps", "warmup_steps", "enforce_eager",
-            "seed", "smoke", "arrivals", "arrival_prompt_len", "prefill_interval")  # fmt: skip
+            "seed", "smoke", "arrivals", "arrival_prompt_len", "prefill_interval",
+            "piecewise_cuda_graphs")  # fmt: skip
 # The engine's phases whose cumulative time pass 3 reports: (label, file suffix, function).
 PHASES = (
     ("schedule", "scheduler.py", "schedule"),
     ("execute.host_inputs", "input_batch.py", "prepare"),
     ("execute.graph_replay", "cuda_graphs.py", "run"),
-    ("execute.forward_eager", "model_runner.py", "_forward"),
+    # Steps the decode graphs do not take (named forward_eager before piecewise graphs).
+    ("execute.forward", "model_runner.py", "_forward"),
+    ("execute.forward_piecewise", "piecewise_graphs.py", "forward"),  # part of the above
     ("execute.sample", "sampler.py", "__call__"),
     ("execute.triton_launches", "jit.py", "run"),  # Triton's Python launch path (not on CPU)
     ("update", "scheduler.py", "update"),
@@ -98,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         help="schedule one step ahead or not (default: the engine's, on for CUDA)",
+    )
+    p.add_argument(
+        "--piecewise-cuda-graphs",
+        action="store_true",
+        help="the engine's: steps that prefill replay piecewise graphs (CUDA only)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument(
@@ -295,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             folder, args, max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
             max_num_batched_tokens=max(2048, max(args.batches)),
             async_scheduling=args.async_scheduling, prefill_interval=args.prefill_interval,
+            piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         )  # fmt: skip
         bandwidth = device_copy_bandwidth(args.device, COPY_BYTES) if cuda else None
         for batch in args.batches:

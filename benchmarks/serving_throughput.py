@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--prefill-interval", type=int,
                         help="the engine's, offline and served (default: its default)")  # fmt: skip
+    parser.add_argument("--piecewise-cuda-graphs", action="store_true",
+                        help="the engine's, offline and served (CUDA only)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="the engine's device, offline and served")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     parser.add_argument("--modes", nargs="+", choices=list(MODES),
@@ -226,6 +228,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": max(2048, args.prompt_len[1]),
         "prefill_interval": args.prefill_interval,
+        "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
     }
 
 
@@ -309,8 +312,10 @@ def run_served(
     cmd += ["--load-format", "dummy", "--device", flags["device"], "--dtype", flags["dtype"]]
     cmd += ["--max-num-seqs", str(flags["max_num_seqs"])]
     cmd += ["--max-num-batched-tokens", str(flags["max_num_batched_tokens"])]
-    if args.prefill_interval is not None:  # a flag older checkouts (--before-root) lack
+    if args.prefill_interval is not None:  # flags older checkouts (--before-root) lack
         cmd += ["--prefill-interval", str(args.prefill_interval)]
+    if args.piecewise_cuda_graphs:
+        cmd += ["--piecewise-cuda-graphs"]
     extra, stream = MODES[mode]
     cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]
     # The checkout first; a PYTHONPATH already set (packages carried to a GPU machine) stays.
@@ -388,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 "output_len": args.output_len,
                 "client_procs": args.client_procs,
                 "prefill_interval": args.prefill_interval,
+                "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
             },
             "offline": run_offline(model, requests, args),
             "served": {},

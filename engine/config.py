@@ -83,6 +83,14 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never replay decode steps from CUDA graphs"}
     )
+    piecewise_cuda_graphs: bool = field(
+        default=False,
+        metadata={"help": "also replay the steps decode graphs do not take (steps that "
+                  "prefill) from CUDA graphs, piecewise: every layer's work but attention "
+                  "captured per token-count bucket up to --max-num-batched-tokens, "
+                  "attention launched between the pieces (vLLM's piecewise graphs). Needs "
+                  "CUDA graphs: CUDA, Triton attention, no --enforce-eager"},
+    )  # fmt: skip
     enable_prefix_caching: bool = field(
         default=True,
         metadata={"help": "reuse the KV blocks of prompt prefixes computed before (full "
@@ -136,6 +144,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.piecewise_cuda_graphs and not self.uses_cuda_graphs:
+            raise ValueError(
+                "piecewise_cuda_graphs needs CUDA graphs: device cuda, attention_backend "
+                "triton (the default there) and no enforce_eager"
             )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")

@@ -21,6 +21,7 @@ from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
 from octavo.engine.worker.sampler import SampledTokens, Sampler
 
 # Prompt logprobs are reduced this many positions at a time (a pass holds [rows, vocab]
@@ -147,6 +148,7 @@ class ModelRunner:
         )
         self.kv_cache[:, :, 0].zero_()
         self.graphs: CUDAGraphRunner | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         # The previous step's sampled tokens (device) and the sequence of each row.
         self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
         self._pinned: dict[str, torch.Tensor] = {}  # CUDA: staging buffer per input kind
@@ -166,6 +168,11 @@ class ModelRunner:
             self.model, self.kv_cache, max_batch_size, max_model_len, self.block_size
         )
         self.graphs.capture()
+
+    def enable_piecewise_graphs(self, max_num_tokens: int) -> None:
+        """Captures the steps of up to max_num_tokens tokens that decode graphs do not take
+        (steps that prefill), piecewise around attention (CUDA + triton only)."""
+        self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, max_num_tokens, capture=True)
 
     @torch.inference_mode()
     def execute_async(self, output: SchedulerOutput) -> StepFuture:
@@ -276,12 +283,11 @@ class ModelRunner:
         input_ids = self._to_device("input_ids", batch.input_ids)
         if pending is not None:
             input_ids = input_ids.index_copy(0, pending.rows, pending.tokens)
-        return self.model(
-            input_ids,
-            self._to_device("positions", batch.positions),
-            self.kv_cache,
-            self.backend.prepare(metadata),
-        )
+        positions = self._to_device("positions", batch.positions)
+        metadata = self.backend.prepare(metadata)
+        if self.piecewise is not None and len(batch.input_ids) <= self.piecewise.max_num_tokens:
+            return self.piecewise.forward(input_ids, positions, metadata)
+        return self.model(input_ids, positions, self.kv_cache, metadata)
 
     def _to_device(self, kind: str, array: np.ndarray) -> torch.Tensor:
         """The array as a tensor on the runner's device: shared memory on CPU; on CUDA one

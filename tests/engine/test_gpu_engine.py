@@ -34,6 +34,27 @@ def test_greedy_on_gpu_equals_hf(tiny_model_dir, hf_tiny, enforce_eager):
         assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, 24)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_piecewise_graphs_on_gpu_equal_hf(tiny_model_dir, hf_tiny, async_scheduling):
+    """Steps that prefill replay captured pieces around eager attention: prompts of many
+    lengths, three running at a time and a small step budget, so chunks of new prompts
+    run beside decodes at token counts padded to a bucket."""
+    llm = LLM(
+        model=tiny_model_dir, device="cuda", dtype="float32", num_blocks=2048, max_num_seqs=3,
+        max_num_batched_tokens=48, piecewise_cuda_graphs=True, async_scheduling=async_scheduling,
+    )  # fmt: skip
+    piecewise = llm.engine.runner.piecewise
+    assert piecewise is not None
+    assert all(piece.graph is not None for pieces in piecewise.pieces.values() for piece in pieces)
+    prompts = sample_prompts(8, 5, 120, hf_tiny.config.vocab_size, seed=7)
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(8)
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, output in zip(prompts, params, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, p.max_tokens)
+
+
 def test_half_precision_runs_and_sizes_the_cache_from_memory(tiny_model_dir):
     """Each half dtype in turn, in one test: the budget is a share of the whole device, so two
     engines taking half of it each (two test workers at once) cannot both start."""

@@ -88,3 +88,14 @@ def test_the_prefill_interval_defaults_to_the_graph_interval_only_where_graphs_r
     for given in (1, 3):
         given_config = EngineConfig(model="m", prefill_interval=given, **settings)
         assert given_config.admission_interval == given
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"device": "cpu"}, {"device": "cuda", "enforce_eager": True},
+     {"device": "cuda", "attention_backend": "torch"}],
+)  # fmt: skip
+def test_piecewise_graphs_without_cuda_graphs_are_refused_naming_the_field(settings):
+    with pytest.raises(ValueError, match="piecewise_cuda_graphs needs CUDA graphs"):
+        EngineConfig(model="m", piecewise_cuda_graphs=True, **settings)
+    assert EngineConfig(model="m", device="cuda", piecewise_cuda_graphs=True).uses_cuda_graphs

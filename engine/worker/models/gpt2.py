@@ -215,13 +215,14 @@ class GPT2Attention(nn.Module):
         v = v.view(num_tokens, self.n_head, self.head_dim)
         return q, k, v
 
-    def forward(
-        self, x: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    def attend(
+        self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        num_tokens, width = x.shape
-        q, k, v = self.split_qkv(self.c_attn(x))
+        """c_attn's output [T, qkv_width] -> the heads' attention output [T, H * D], before
+        c_proj: the part of a layer that reads the paged cache."""
+        q, k, v = self.split_qkv(qkv)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, H, D]
-        return self.c_proj(out.reshape(num_tokens, width))
+        return out.reshape(qkv.shape[0], self.n_head * self.head_dim)
 
 
 class GPT2MLP(nn.Module):
@@ -286,8 +287,22 @@ class GPT2Block(nn.Module):
         the token embeddings; the residual is then the position embeddings). Returns this
         block's MLP output and the residual it is to be added to, so that the add fuses
         with the next LayerNorm."""
+        qkv, residual = self.pre_attention(x, residual)
+        return self.post_attention(self.attn.attend(qkv, kv_cache, metadata), residual)
+
+    def pre_attention(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's work before attention, row by row: (c_attn's output, the residual)."""
         normed, residual = self.ln_1(x, residual)
-        normed, residual = self.ln_2(self.attn(normed, kv_cache, metadata), residual)
+        return self.attn.c_attn(normed), residual
+
+    def post_attention(
+        self, attended: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's work after attention, row by row: (the MLP's output, the residual it
+        is to be added to)."""
+        normed, residual = self.ln_2(self.attn.c_proj(attended), residual)
         return self.mlp(normed), residual
 
 
@@ -329,9 +344,20 @@ class GPT2LMHeadModel(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x, residual = self.wte(input_ids), self.wpe(positions)  # [T, C] each
+        x, residual = self.embed(input_ids, positions)
         for layer, block in enumerate(self.h):
             x, residual = block(x, residual, kv_cache[layer], metadata)
+        return self.final_norm(x, residual)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token embeddings, position embeddings) [T, C] each: the first block's x and
+        residual."""
+        return self.wte(input_ids), self.wpe(positions)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The hidden states [T, C]: ln_f of the last block's output added to the residual."""
         return self.ln_f(x, residual)[0]
 
     def pad_lm_head(self, multiple: int) -> None:
