@@ -164,8 +164,10 @@ piecewise)
     # under arrivals at --prefill-interval 1 and 8 (the CUDA default), each with and without
     # the pieces, alternated; then offline and served on the serve stage's requests, both
     # ways.
-    step gpu_tests_piecewise "$python" -m pytest -v -m gpu tests/engine/test_gpu_engine.py \
-        -k piecewise -p no:cacheprovider --timeout 300
+    # The kernel test covers a mixed batch's leading decodes on the decode path.
+    step gpu_tests_piecewise "$python" -m pytest -v -n 4 -m gpu tests/engine/test_gpu_engine.py \
+        tests/kernels/test_gpu_kernels.py -k "piecewise or real_sizes" -p no:cacheprovider \
+        --timeout 300
     for interval in 1 8; do
         for mode in eager piecewise; do
             flags=()

@@ -330,6 +330,7 @@ def paged_attention(
     scale: float,
     num_splits: int | None = None,
     *,
+    num_decodes: int = 0,
     prefill: PrefillConfig | None = None,
     decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -339,41 +340,77 @@ def paged_attention(
     head_dim], num_kv_heads dividing num_heads (query head h reads K/V head
     h // (num_heads // num_kv_heads)); block_tables int32 [num_seqs, max_blocks]; seq_lens
     int32 [num_seqs] (keys after this step, context included); cu_seqlens_q int32
-    [num_seqs + 1]. A batch with
-    max_seqlen_q == 1 takes the decode path (split-KV over `num_splits`, chosen by
-    choose_num_splits when None); any other takes the tl.dot path, which ignores num_splits.
+    [num_seqs + 1]. A batch with max_seqlen_q == 1 takes the decode path (split-KV over
+    `num_splits`, chosen by choose_num_splits when None). In any other, the leading
+    `num_decodes` sequences, which must have one query token each, take the decode path
+    too, and the rest the tl.dot path, which gives a one-token query a whole tile of rows.
     `prefill` and `decode` override the launch heuristics (prefill_config and
     DEFAULT_DECODE_CONFIG).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
-    group_size = num_heads // k_cache.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
+    if max_seqlen_q == 1:
+        if num_tokens != num_seqs:
+            raise ValueError("a decode batch (max_seqlen_q == 1) has one token per sequence")
+        num_decodes = num_seqs
+    elif not 0 <= num_decodes < num_seqs:
+        raise ValueError(f"num_decodes must be in [0, {num_seqs}) with longer queries")
+    if num_decodes:
+        rows = slice(0, num_decodes)
+        _decode(
+            q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], max_seqlen_k,
+            out[rows], scale, num_splits, decode or DEFAULT_DECODE_CONFIG,
+        )  # fmt: skip
+    if num_decodes < num_seqs:
+        # The tl.dot path over the other sequences: cu_seqlens_q's offsets stay those of
+        # the whole batch, so q and out are passed whole.
+        rest = slice(num_decodes, None)
+        _prefill(
+            q, k_cache, v_cache, block_tables[rest], seq_lens[rest], cu_seqlens_q[rest],
+            max_seqlen_q, out, scale, prefill or prefill_config(q.shape[2], q.dtype),
+        )  # fmt: skip
+    return out
+
+
+def _softmax_scale(scale: float) -> float:
     # The kernels' online softmax runs in base 2 (exp2 is one instruction): fold log2(e) in.
-    qk_scale = scale * LOG2_E
-    common = (
+    return scale * LOG2_E
+
+
+def _cache_args(k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[int, ...]:
+    return (
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
         k_cache.shape[1],
     )
-    if max_seqlen_q > 1:
-        tiles = prefill or prefill_config(head_dim, q.dtype)
-        grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, tiles.block_m))
-        _prefill_kernel[grid](
-            q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            HEAD_DIM=head_dim, BLOCK_D=max(block_d, MIN_DOT_DIM), BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n,
-            GROUP_SIZE=group_size, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )  # fmt: skip
-        return out
-    if num_tokens != num_seqs:
-        raise ValueError("a decode batch (max_seqlen_q == 1) has one token per sequence")
+
+
+def _prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out, scale,
+    tiles: PrefillConfig,
+) -> None:  # fmt: skip
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_seqlen_q, tiles.block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, _softmax_scale(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_args(k_cache, block_tables),
+        HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), MIN_DOT_DIM),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, GROUP_SIZE=num_heads // k_cache.shape[2],
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def _decode(
+    q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_k, out, scale,
+    num_splits: int | None, launch: DecodeConfig,
+) -> None:  # fmt: skip
+    """One query token per sequence: q and out [num_seqs, num_heads, head_dim]."""
+    num_seqs, num_heads, head_dim = q.shape
     splits = num_splits or choose_num_splits(num_seqs, num_heads, max_seqlen_k, num_sms(q.device))
     partial = (
         torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -385,19 +422,19 @@ def paged_attention(
         if splits > 1
         else out
     )
-    launch = decode or DEFAULT_DECODE_CONFIG
+    block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_heads, splits)](
-        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, qk_scale, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, _softmax_scale(scale),
+        splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_args(k_cache, block_tables),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, WRITE_PARTIAL=splits > 1,
-        GROUP_SIZE=group_size, num_warps=launch.num_warps,
+        GROUP_SIZE=num_heads // k_cache.shape[2], num_warps=launch.num_warps,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             partial, stats, out, splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=triton.next_power_of_2(splits),
         )  # fmt: skip
-    return out
 
 
 def paged_attention_ref(
@@ -413,6 +450,7 @@ def paged_attention_ref(
     scale: float,
     num_splits: int | None = None,
     *,
+    num_decodes: int = 0,
     prefill: PrefillConfig | None = None,
     decode: DecodeConfig | None = None,
 ) -> torch.Tensor:

@@ -185,11 +185,15 @@ def _attention_launches(
         num_seqs, blocks_per_seq
     )
     scale = head_dim**-0.5
-    # Mixed batch: one decode, then a 100-token chunk after 200 tokens of context.
+    # Mixed batch: one decode, then a 100-token chunk after 200 tokens of context; the
+    # decode on the tl.dot path, then on the decode path (the chunk's launch then reads
+    # seq_lens and cu_seqlens_q from one element in: pointers no longer 16-byte aligned).
     query_lens, seq_lens = [1, 100], [WORKLOAD_CONTEXT, 300]
-    _store_and_attend(
-        k_cache, v_cache, num_heads, block_tables[:2], query_lens, seq_lens, scale, None
-    )
+    for num_decodes in (0, 1):
+        _store_and_attend(
+            k_cache, v_cache, num_heads, block_tables[:2], query_lens, seq_lens, scale, None,
+            num_decodes,
+        )  # fmt: skip
     for num_splits in splits:
         decode_lens = [WORKLOAD_CONTEXT] * num_seqs
         _store_and_attend(
@@ -207,6 +211,7 @@ def _store_and_attend(
     seq_lens: list[int],
     scale: float,
     num_splits: int | None,
+    num_decodes: int = 0,
 ) -> None:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = sum(query_lens)
@@ -234,6 +239,7 @@ def _store_and_attend(
         torch.empty_like(q),
         scale,
         num_splits=num_splits,
+        num_decodes=num_decodes,
     )
 
 

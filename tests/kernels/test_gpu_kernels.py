@@ -70,8 +70,13 @@ def test_paged_attention_real_sizes(num_heads, dtype, shape):
     args = far_batch(num_heads, query_lens, seq_lens, dtype, num_blocks)
     scale = HEAD_DIM**-0.5
     expected = paged_attention_ref(*args, torch.empty_like(args[0]), scale)
-    for splits in [None, 1, 4] if shape == "decode" else [None]:
-        got = paged_attention(*args, torch.empty_like(args[0]), scale, num_splits=splits)
+    # (num_splits, num_decodes): a mixed batch's leading decode on the tl.dot path (0) or
+    # on the decode path (1), split or not.
+    launches = [(None, 0), (1, 0), (4, 0)] if shape == "decode" else [(None, 0), (None, 1), (4, 1)]
+    for splits, num_decodes in launches:
+        got = paged_attention(
+            *args, torch.empty_like(args[0]), scale, num_splits=splits, num_decodes=num_decodes
+        )
         torch.testing.assert_close(
             got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
         )

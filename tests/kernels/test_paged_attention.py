@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from octavo.kernels import paged_attention as pa
 from octavo.kernels.paged_attention import (
     MIN_KEYS_PER_SPLIT,
     DecodeConfig,
@@ -80,6 +81,34 @@ def test_four_heads_and_strided_queries():
     torch.testing.assert_close(
         run(batch, paged_attention), run(batch, paged_attention_ref), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_a_mixed_batchs_leading_decodes_take_the_decode_path(num_splits, monkeypatch):
+    """Three decodes, then a chunk with context and a prompt: the decodes run on the decode
+    path (split-KV included), the others on the tl.dot path, in one call."""
+    launched = []
+
+    def recording(path):
+        def launch(q, *args, **kwargs):
+            launched.append((path.__name__, q.shape[0]))
+            return path(q, *args, **kwargs)
+
+        return launch
+
+    monkeypatch.setattr(pa, "_decode", recording(pa._decode))
+    monkeypatch.setattr(pa, "_prefill", recording(pa._prefill))
+    batch = make_batch(
+        [1, 1, 1, 9, 16], [70, 3, 45, 33, 16], num_heads=2, head_dim=16, block_size=8,
+        dtype=torch.float32, seed=6,
+    )  # fmt: skip
+    got = run(batch, paged_attention, num_splits=num_splits, num_decodes=3)
+    torch.testing.assert_close(got, run(batch, paged_attention_ref), atol=1e-5, rtol=1e-5)
+    # The decode path gets the three decodes' queries; the tl.dot path the whole q, whose
+    # rows it finds through cu_seqlens_q.
+    assert launched == [("_decode", 3), ("_prefill", 28)]
+    with pytest.raises(ValueError, match="num_decodes"):
+        run(batch, paged_attention, num_decodes=5)
 
 
 def test_configs_refuse_tiles_the_gpu_compiler_rejects():

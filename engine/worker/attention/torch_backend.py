@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    leading_decodes,
+)
 
 
 @dataclass
@@ -44,7 +48,6 @@ class TorchAttentionMetadata(AttentionMetadata):
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
     store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     key_slots: torch.Tensor | None = None
-    num_decodes: int = 0
     decode_width: int = 0
     decode_slices: list[SequenceSlice] | None = None
     decode_key_slots: torch.Tensor | None = None
@@ -80,9 +83,7 @@ class TorchAttentionBackend(AttentionBackend):
         out.key_slots = key_slots
         device = metadata.slot_mapping.device
         query_lens = metadata.query_lens_host
-        num_decodes = len(query_lens)  # the leading run of one-token queries
-        if metadata.max_seqlen_q > 1:
-            num_decodes = next(i for i, q in enumerate(query_lens) if q != 1)
+        num_decodes = leading_decodes(metadata)
         if num_decodes:
             out.num_decodes = num_decodes
             out.decode_width = max(metadata.seq_lens_host[:num_decodes])
