@@ -178,9 +178,13 @@ piecewise)
                 --result-file "$out/profile_arrivals_interval${interval}_$mode.json"
         done
     done
+    # py-spy (as in the serve stage) samples the server's processes in the first mode's
+    # timed run: where the engine core's time goes while served throughput trails offline.
     for mode in piecewise eager; do
         flags=()
         [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
+        [[ $mode == piecewise ]] && command -v py-spy >/dev/null \
+            && flags+=(--py-spy-dir "$out/stacks")
         step "serving_gpt2_$mode" "$python" benchmarks/serving_throughput.py --preset gpt2 \
             --device cuda --dtype float16 --num-requests 1024 --modes streamed unstreamed \
             --client-procs 4 --repeats 2 "${flags[@]}" \
