@@ -39,14 +39,14 @@ def test_token_buckets_hold_every_step_with_bounded_padding(max_num_tokens):
         assert size - num_tokens < max(num_tokens, 128)
 
 
-@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
-def test_piecewise_steps_give_hf_greedy_tokens(tiny_model_dir, hf_tiny, attention_backend):
+def test_piecewise_steps_give_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     """Three sequences at a time and six requests of different lengths: new prompts are
     prefilled, in chunks, beside decodes, at token counts that pad to a bucket over rows
-    an earlier, larger step left in the buffers."""
+    an earlier, larger step left in the buffers. (The torch backend: the Triton kernels'
+    engine runs are test_triton_backend's; the captured pieces over them, test_gpu_engine's.)"""
     config = EngineConfig(
         model=tiny_model_dir, device="cpu", num_blocks=96, block_size=8, max_num_seqs=3,
-        max_num_batched_tokens=STEP_TOKENS, attention_backend=attention_backend,
+        max_num_batched_tokens=STEP_TOKENS,
     )  # fmt: skip
     engine = LLMEngine(config)
     pieces = RecordingPieces(engine)
