@@ -7,8 +7,8 @@ GELU), so for a step of T tokens it is captured once per token bucket, padded to
 in pieces that attention splits: embeddings + layer 0 up to c_attn; layer i's c_proj to
 layer i + 1's c_attn; the last layer's c_proj to ln_f. Between two pieces the host launches
 that layer's attention on the real rows, with the step's own metadata, as an eager step
-does. A step then costs one graph replay and one attention call per layer instead of every
-op's launch (vLLM's piecewise CUDA graphs, hand-built: no compiler).
+does. A step then costs one graph replay and the attention's launches per layer instead of
+every op's launch (vLLM's piecewise CUDA graphs, hand-built: no compiler).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ class _Piece:
 class PiecewiseGraphs:
     """A model's steps of up to max_num_tokens tokens, as pieces per token bucket.
 
-    The pieces read and write static buffers, whose rows past the step's tokens hold what
-    an earlier step left there (finite numbers, every row its own): `input_ids`,
+    The pieces read and write static buffers, whose rows past the step's tokens hold
+    whatever an earlier step left there (every row is computed on its own, so those rows
+    never reach the step's): `input_ids`,
     `positions`; `qkv` [T, qkv_width] (a piece's last c_attn, for the attention after it);
     `attended` [T, C] (that attention's output, for the next piece); `residual` [T, C]
     and `hidden` [T, C] (ln_f's output, the last piece's).
