@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
 #   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
-#   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # --piecewise-cuda-graphs against eager
+#   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # --piecewise-cuda-graphs against eager;
+#       # latency at --prefill-interval 8 (the CUDA default) and 1
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
@@ -45,6 +46,41 @@ step() {  # step NAME COMMAND...: runs COMMAND, output to OUT_DIR/NAME.log, time
     tail -n 25 "$out/$name.log"
     [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
     return 0
+}
+
+latency() {  # latency TAG "CONCURRENCIES" [SERVER FLAG...]: `octavo bench serve` at each
+    # concurrency (8 requests per stream, 32 prompt and 128 output tokens) against one
+    # GPT-2 small server started with the flags
+    local tag=$1 concurrencies=$2 port=8765 model server concurrency
+    shift 2
+    model=$(mktemp -d)/model
+    "$python" -c "import sys; from pathlib import Path
+from octavo.benchmarks import serving_throughput as s
+s.write_model(Path(sys.argv[1]), s.parse_args(['--preset', 'gpt2']))" "$model"
+    "$python" -m octavo serve --model "$model" --load-format dummy --device cuda \
+        --dtype float16 --port $port --log-level warning "$@" >"$out/server_$tag.log" 2>&1 &
+    server=$!
+    # The GPU image has no curl.
+    "$python" - "$port" <<'PY'
+import sys
+import time
+import urllib.request
+
+for _ in range(120):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+PY
+    for concurrency in $concurrencies; do
+        step "latency_${tag}_c$concurrency" "$python" -m octavo bench serve \
+            --base-url "http://127.0.0.1:$port" --random-input-len 32 --random-output-len 128 \
+            --num-prompts $((concurrency * 8)) --max-concurrency "$concurrency" --ignore-eos \
+            --no-progress --result-file "$out/latency_${tag}_c$concurrency.json"
+    done
+    kill "$server"
+    wait "$server"
 }
 
 case $stage in
@@ -109,35 +145,7 @@ serve)
         --dtype float16 --num-requests 1024 --modes streamed unstreamed interval8 api2 \
         --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
-    model=$(mktemp -d)/model
-    "$python" -c "import sys; from pathlib import Path
-from octavo.benchmarks import serving_throughput as s
-s.write_model(Path(sys.argv[1]), s.parse_args(['--preset', 'gpt2']))" "$model"
-    port=8765
-    "$python" -m octavo serve --model "$model" --load-format dummy --device cuda \
-        --dtype float16 --port $port --log-level warning >"$out/server.log" 2>&1 &
-    server=$!
-    # The GPU image has no curl.
-    "$python" - "$port" <<'PY'
-import sys
-import time
-import urllib.request
-
-for _ in range(120):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
-        break
-    except OSError:
-        time.sleep(1)
-PY
-    for concurrency in 1 4 16 64; do
-        step "latency_c$concurrency" "$python" -m octavo bench serve \
-            --base-url "http://127.0.0.1:$port" --random-input-len 32 --random-output-len 128 \
-            --num-prompts $((concurrency * 8)) --max-concurrency "$concurrency" --ignore-eos \
-            --no-progress --result-file "$out/latency_c$concurrency.json"
-    done
-    kill "$server"
-    wait "$server"
+    latency default "1 4 16 64"
     ;;
 arrivals)
     # Steps under arrivals (two prompts of 24 tokens prefilled beside each step's decodes,
@@ -190,6 +198,10 @@ piecewise)
             --client-procs 4 --repeats 2 "${flags[@]}" \
             --result-file "$out/serving_throughput_gpt2_$mode.json"
     done
+    # What the default interval costs a request's first token at low load: admissions wait
+    # up to 8 steps while others decode.
+    latency interval8 "1 4 16"
+    latency interval1 "1 4 16" --prefill-interval 1
     ;;
 compare)
     # Profiles first, alternated, then the tests, then a second round of profiles: a call
