@@ -109,13 +109,18 @@ def test_capture_runs_with_the_collector_off_and_survives_an_abandoned_engine(
         assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, 12)
 
 
-def test_beam_search_on_gpu_equals_hf(eos_model_dir, hf_eos):
+@pytest.mark.parametrize("piecewise", [False, True], ids=["decode_graphs", "piecewise"])
+def test_beam_search_on_gpu_equals_hf(eos_model_dir, hf_eos, piecewise):
     """Beam candidates are reduced on the device and moved to the host (the core holds no
-    device tensors); HF on the CPU is the oracle."""
+    device tensors); HF on the CPU is the oracle. Beam steps (forks, beam rows' logits)
+    also through piecewise graphs."""
     cases = [make_case(seed, hf_eos.config.vocab_size) for seed in range(NUM_BEAM_CASES)]
     expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
     engine = LLMEngine(
-        EngineConfig(model=eos_model_dir, device="cuda", dtype="float32", num_blocks=4096)
-    )
+        EngineConfig(
+            model=eos_model_dir, device="cuda", dtype="float32", num_blocks=4096,
+            piecewise_cuda_graphs=piecewise,
+        )
+    )  # fmt: skip
     outputs = run_to_completion(engine, [p for p, _ in cases], [p for _, p in cases])
     assert_same(outputs, expected, cases)

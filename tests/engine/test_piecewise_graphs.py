@@ -10,6 +10,7 @@ from octavo.engine.worker.attention.backend import AttentionMetadata
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
+from tests.engine.test_beam_search import assert_same, hf_beam_search, make_case
 
 # A small step budget: prompts are prefilled in chunks beside other sequences' decodes.
 STEP_TOKENS = 48
@@ -61,6 +62,22 @@ def test_piecewise_steps_give_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     assert pieces.steps, "no step ran piecewise"
     assert any(tokens < size for tokens, size in pieces.steps)  # padding rows ran
     assert any(tokens == STEP_TOKENS for tokens, _ in pieces.steps)  # a full budget's step
+
+
+def test_beams_through_the_pieces_equal_hf(eos_model_dir, hf_eos):
+    """Beam search's steps (forks sharing blocks, beam rows' logits) through the pieces:
+    HF's beams and scores."""
+    cases = [make_case(seed, hf_eos.config.vocab_size) for seed in range(4)]
+    engine = LLMEngine(
+        EngineConfig(model=eos_model_dir, device="cpu", num_blocks=512, block_size=8,
+                     max_num_batched_tokens=STEP_TOKENS)
+    )  # fmt: skip
+    pieces = RecordingPieces(engine)
+    engine.runner.piecewise = pieces
+    outputs = run_to_completion(engine, [p for p, _ in cases], [p for _, p in cases])
+    expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
+    assert_same(outputs, expected, cases)
+    assert pieces.steps
 
 
 def test_the_pieces_equal_the_model_forward_over_stale_padding(tiny_model_dir):
