@@ -166,6 +166,7 @@ class DecodeInputBuffers:
             decode_num_splits=choose_num_splits(
                 size, self.num_heads, self.max_model_len, self.num_sms
             ),
+            num_decodes=size,
         )
 
 

@@ -279,6 +279,7 @@ class ModelRunner:
             block_size=self.block_size,
             seq_lens_host=batch.seq_lens.tolist(),
             query_lens_host=batch.query_lens.tolist(),
+            num_decodes=batch.num_decodes,
         )
         input_ids = self._to_device("input_ids", batch.input_ids)
         if pending is not None:

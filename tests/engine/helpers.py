@@ -40,6 +40,23 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def staggered_greedy(count: int, first: int, step: int) -> list[SamplingParams]:
+    """Greedy, EOS ignored, max_tokens first, first + step, ...: requests that end one after
+    another, so the running batch changes shape."""
+    return [
+        SamplingParams(temperature=0, max_tokens=first + step * i, ignore_eos=True)
+        for i in range(count)
+    ]
+
+
+def assert_hf_greedy(
+    hf_model, prompts: list[list[int]], params: list[SamplingParams], outputs
+) -> None:
+    """Each output's tokens are HF's greedy continuation of its prompt, max_tokens long."""
+    for prompt, p, output in zip(prompts, params, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, p.max_tokens)
+
+
 def llguidance_allowed(matcher, vocab: int) -> torch.Tensor:
     """The tokens an llguidance matcher allows next, bool [vocab], from its byte-per-token
     logit bias: the oracle of the engine's bit masks (a different code path in llguidance)."""

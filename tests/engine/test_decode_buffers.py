@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import EngineConfig, LLMEngine
 from octavo.engine.worker.cuda_graphs import DecodeInputBuffers, forward_bucket
 from octavo.engine.worker.input_batch import HostBatch, PendingInputs
 from octavo.kernels.paged_attention import MIN_CONTEXT_TO_SPLIT
 from tests.checkpoints import sample_prompts
-from tests.engine.helpers import hf_greedy, run_to_completion
+from tests.engine.helpers import assert_hf_greedy, run_to_completion, staggered_greedy
 
 # An H100's multiprocessor count and the shortest max_model_len that splits: the buckets'
 # fixed split-KV factor is then > 1, as on the GPU. Longer contexts only add interpreted
@@ -56,14 +56,8 @@ def test_padded_bucket_replay_gives_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     replay = EagerBucketReplay(engine, max_batch_size=8)
     engine.runner.graphs = replay
     prompts = sample_prompts(5, 3, 40, hf_tiny.config.vocab_size, seed=3)
-    params = [
-        SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(5)
-    ]
-    outputs = run_to_completion(engine, prompts, params)
-    for prompt, p, output in zip(prompts, params, outputs, strict=True):
-        assert (
-            output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, p.max_tokens)[: p.max_tokens]
-        )
+    params = staggered_greedy(5, first=2, step=2)
+    assert_hf_greedy(hf_tiny, prompts, params, run_to_completion(engine, prompts, params))
     assert {size for _, size in replay.replays} >= {8, 4, 2, 1}
     assert any(rows < size for rows, size in replay.replays)  # padding rows were replayed
     assert replay.buffers.metadata(8).decode_num_splits > 1

@@ -8,7 +8,12 @@ import torch
 
 from octavo.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.checkpoints import sample_prompts
-from tests.engine.helpers import hf_greedy, run_to_completion
+from tests.engine.helpers import (
+    assert_hf_greedy,
+    hf_greedy,
+    run_to_completion,
+    staggered_greedy,
+)
 from tests.engine.test_beam_search import assert_same, hf_beam_search, make_case
 
 NUM_BEAM_CASES = 60
@@ -47,12 +52,8 @@ def test_piecewise_graphs_on_gpu_equal_hf(tiny_model_dir, hf_tiny, async_schedul
     assert piecewise is not None
     assert all(piece.graph is not None for pieces in piecewise.pieces.values() for piece in pieces)
     prompts = sample_prompts(8, 5, 120, hf_tiny.config.vocab_size, seed=7)
-    params = [
-        SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(8)
-    ]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, p, output in zip(prompts, params, outputs, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, p.max_tokens)
+    params = staggered_greedy(8, first=4, step=3)
+    assert_hf_greedy(hf_tiny, prompts, params, llm.generate(prompts, params, use_tqdm=False))
 
 
 def test_half_precision_runs_and_sizes_the_cache_from_memory(tiny_model_dir):

@@ -5,11 +5,11 @@ path but the capture itself (captured on a GPU in test_gpu_engine)."""
 import pytest
 import torch
 
-from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from octavo.engine import EngineConfig, LLMEngine
 from octavo.engine.worker.attention.backend import AttentionMetadata
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 from tests.checkpoints import sample_prompts
-from tests.engine.helpers import hf_greedy, run_to_completion
+from tests.engine.helpers import assert_hf_greedy, run_to_completion, staggered_greedy
 from tests.engine.test_beam_search import assert_same, hf_beam_search, make_case
 
 # A small step budget: prompts are prefilled in chunks beside other sequences' decodes.
@@ -53,12 +53,8 @@ def test_piecewise_steps_give_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     pieces = RecordingPieces(engine)
     engine.runner.piecewise = pieces
     prompts = sample_prompts(6, 5, 70, hf_tiny.config.vocab_size, seed=5)
-    params = [
-        SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(6)
-    ]
-    outputs = run_to_completion(engine, prompts, params)
-    for prompt, p, output in zip(prompts, params, outputs, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, p.max_tokens)
+    params = staggered_greedy(6, first=3, step=2)
+    assert_hf_greedy(hf_tiny, prompts, params, run_to_completion(engine, prompts, params))
     assert pieces.steps, "no step ran piecewise"
     assert any(tokens < size for tokens, size in pieces.steps)  # padding rows ran
     assert any(tokens == STEP_TOKENS for tokens, _ in pieces.steps)  # a full budget's step

@@ -339,6 +339,7 @@ def torch_backend_attention(batch: PagedBatch) -> torch.Tensor:
     kv_cache = torch.stack([batch.k_cache, batch.v_cache])
     k = kv_cache[0].flatten(0, 1)[slot_mapping]
     v = kv_cache[1].flatten(0, 1)[slot_mapping]
+    query_lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=batch.block_tables,
@@ -348,7 +349,8 @@ def torch_backend_attention(batch: PagedBatch) -> torch.Tensor:
         max_seqlen_k=batch.max_seqlen_k,
         block_size=block_size,
         seq_lens_host=seq_lens,
-        query_lens_host=[b - a for a, b in zip(cu, cu[1:], strict=False)],
+        query_lens_host=query_lens,
+        num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
     )
     backend = TorchAttentionBackend()
     return backend.forward(batch.q, k, v, kv_cache, backend.prepare(metadata), batch.scale)

@@ -32,18 +32,9 @@ class AttentionMetadata:
     query_lens_host: list[int]
     # Split-KV factor for decode batches; None lets the kernel choose (CUDA graphs fix it).
     decode_num_splits: int | None = None
-    # The leading sequences with one query token each (`leading_decodes`), set by a
-    # backend's `prepare` where it plans by them; 0 (none counted) is always correct.
+    # The leading sequences with one query token each (the input batch's count): backends
+    # may run them as decodes; 0 (none counted) is always correct.
     num_decodes: int = 0
-
-
-def leading_decodes(metadata: AttentionMetadata) -> int:
-    """How many sequences at the batch's start have one query token: all of them in a
-    decode-only batch."""
-    query_lens = metadata.query_lens_host
-    if metadata.max_seqlen_q <= 1:
-        return len(query_lens)
-    return next(i for i, q_len in enumerate(query_lens) if q_len != 1)
 
 
 class AttentionBackend(ABC):

@@ -7,11 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from octavo.engine.worker.attention.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    leading_decodes,
-)
+from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass
@@ -83,9 +79,8 @@ class TorchAttentionBackend(AttentionBackend):
         out.key_slots = key_slots
         device = metadata.slot_mapping.device
         query_lens = metadata.query_lens_host
-        num_decodes = leading_decodes(metadata)
+        num_decodes = metadata.num_decodes
         if num_decodes:
-            out.num_decodes = num_decodes
             out.decode_width = max(metadata.seq_lens_host[:num_decodes])
         start = num_decodes
         for i, (q_len, seq_len) in enumerate(

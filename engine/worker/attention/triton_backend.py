@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from octavo.engine.worker.attention.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    leading_decodes,
-)
+from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.kernels.copy_blocks import copy_blocks
 from octavo.kernels.paged_attention import paged_attention
 from octavo.kernels.store_kv import store_kv
@@ -19,18 +13,15 @@ from octavo.kernels.store_kv import store_kv
 class TritonAttentionBackend(AttentionBackend):
     """store_kv, then one paged_attention call for the whole mixed batch per layer.
 
-    Keys are located per position through the block table, so any block size works. The
-    only per-step preparation is counting the leading decodes of a mixed batch (which the
-    kernel runs on its decode path): a decode-only step needs none, which keeps it free of
-    host work and capturable in a CUDA graph.
+    Keys are located per position through the block table, so any block size works; the
+    metadata needs no per-step preparation beyond what the runner builds (a mixed batch's
+    leading decodes included, which the kernel runs on its decode path), which keeps a
+    decode step free of host work and capturable in a CUDA graph.
     """
 
     name = "triton"
     min_block_size = 1
     fused_layer_norm = True
-
-    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        return dataclasses.replace(metadata, num_decodes=leading_decodes(metadata))
 
     def forward(
         self,
