@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
 #   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
-#   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # --piecewise-cuda-graphs against eager;
+#   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # piecewise graphs (the CUDA default) against eager;
 #       # latency at --prefill-interval 8 (the CUDA default) and 1
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
@@ -178,7 +178,7 @@ piecewise)
         --timeout 300
     for interval in 1 8; do
         for mode in eager piecewise; do
-            flags=()
+            flags=(--no-piecewise-cuda-graphs)
             [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
             step "profile_arrivals_interval${interval}_$mode" "$python" \
                 benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2 \
@@ -189,7 +189,7 @@ piecewise)
     # py-spy (as in the serve stage) samples the server's processes in the first mode's
     # timed run: where the engine core's time goes while served throughput trails offline.
     for mode in piecewise eager; do
-        flags=()
+        flags=(--no-piecewise-cuda-graphs)
         [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
         [[ $mode == piecewise ]] && command -v py-spy >/dev/null \
             && flags+=(--py-spy-dir "$out/stacks")

@@ -104,8 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--piecewise-cuda-graphs",
-        action="store_true",
-        help="the engine's: steps that prefill replay piecewise graphs (CUDA only)",
+        action=argparse.BooleanOptionalAction,
+        help="steps that prefill replay piecewise graphs or not (default: the engine's, on "
+        "with CUDA graphs)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument(

@@ -119,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--prefill-interval", type=int,
                         help="the engine's, offline and served (default: its default)")  # fmt: skip
-    parser.add_argument("--piecewise-cuda-graphs", action="store_true",
-                        help="the engine's, offline and served (CUDA only)")  # fmt: skip
+    parser.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction,
+                        help="the engine's, offline and served (default: its default, on "
+                        "with CUDA graphs)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="the engine's device, offline and served")
     parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     parser.add_argument("--modes", nargs="+", choices=list(MODES),
@@ -314,8 +315,9 @@ def run_served(
     cmd += ["--max-num-batched-tokens", str(flags["max_num_batched_tokens"])]
     if args.prefill_interval is not None:  # flags older checkouts (--before-root) lack
         cmd += ["--prefill-interval", str(args.prefill_interval)]
-    if args.piecewise_cuda_graphs:
-        cmd += ["--piecewise-cuda-graphs"]
+    if args.piecewise_cuda_graphs is not None:  # a flag older checkouts lack
+        cmd += ["--piecewise-cuda-graphs" if args.piecewise_cuda_graphs
+                else "--no-piecewise-cuda-graphs"]  # fmt: skip
     extra, stream = MODES[mode]
     cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]
     # The checkout first; a PYTHONPATH already set (packages carried to a GPU machine) stays.

@@ -83,13 +83,15 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never replay decode steps from CUDA graphs"}
     )
-    piecewise_cuda_graphs: bool = field(
-        default=False,
+    piecewise_cuda_graphs: bool | None = field(
+        default=None,
         metadata={"help": "also replay the steps decode graphs do not take (steps that "
                   "prefill) from CUDA graphs, piecewise: every layer's work but attention "
                   "captured per token-count bucket up to --max-num-batched-tokens, "
                   "attention launched between the pieces (vLLM's piecewise graphs). Needs "
-                  "CUDA graphs: CUDA, Triton attention, no --enforce-eager"},
+                  "CUDA graphs: CUDA, Triton attention, no --enforce-eager. Default: on "
+                  "wherever decode steps replay CUDA graphs, since an eager step that "
+                  "prefills is bound by the host's launches"},
     )  # fmt: skip
     enable_prefix_caching: bool = field(
         default=True,
@@ -174,6 +176,14 @@ class EngineConfig:
             and self.backend_name == "triton"
             and not self.enforce_eager
         )
+
+    @property
+    def uses_piecewise_graphs(self) -> bool:
+        """Whether steps that prefill replay piecewise graphs: `piecewise_cuda_graphs`, or
+        wherever decode steps replay CUDA graphs if unset."""
+        if self.piecewise_cuda_graphs is None:
+            return self.uses_cuda_graphs
+        return self.piecewise_cuda_graphs
 
     @property
     def admission_interval(self) -> int:

@@ -125,7 +125,7 @@ class EngineCore:
         )
         if config.uses_cuda_graphs:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
-        if config.piecewise_cuda_graphs:
+        if config.uses_piecewise_graphs:
             self.runner.enable_piecewise_graphs(config.max_num_batched_tokens)
         self.limits = ModelLimits(
             vocab_size=self.model_config.vocab_size,

@@ -99,3 +99,11 @@ def test_piecewise_graphs_without_cuda_graphs_are_refused_naming_the_field(setti
     with pytest.raises(ValueError, match="piecewise_cuda_graphs needs CUDA graphs"):
         EngineConfig(model="m", piecewise_cuda_graphs=True, **settings)
     assert EngineConfig(model="m", device="cuda", piecewise_cuda_graphs=True).uses_cuda_graphs
+    assert not EngineConfig(model="m", **settings).uses_piecewise_graphs
+
+
+def test_piecewise_graphs_default_on_with_cuda_graphs_and_can_be_turned_off():
+    assert EngineConfig(model="m", device="cuda").uses_piecewise_graphs
+    assert not EngineConfig(
+        model="m", device="cuda", piecewise_cuda_graphs=False
+    ).uses_piecewise_graphs
