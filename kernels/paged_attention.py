@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.store_kv import store_kv, store_kv_ref
+
 # Split-KV limits of the decode path, from kernel_bench --sweep on an H100 (GPT-2 heads,
 # fp16; figures in benchmarks/README): splitting pays while a launch has too few programs
 # to fill the SMs, fewer than SPLIT_BELOW_PROGRAMS_PER_SM per SM (at large batches splits
@@ -193,15 +195,21 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr,
-    block_tables_ptr, seq_lens_ptr,
+    block_tables_ptr, seq_lens_ptr, key_ptr, value_ptr, slot_ptr,
     qk_scale, num_splits,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h, kv_stride_t, kv_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, GROUP_SIZE: tl.constexpr, STORE_NEW_KV: tl.constexpr,
 ):  # fmt: skip
     """One query per sequence: a GEMV, so no tl.dot (a 16-row MMA tile would waste 15 rows).
-    Split `split` of `num_splits` covers an equal, BLOCK_N-aligned share of the keys."""
+    Split `split` of `num_splits` covers an equal, BLOCK_N-aligned share of the keys.
+
+    STORE_NEW_KV: the sequence's last key (position seq_len - 1, this step's) is not in the
+    cache yet. The split that covers it reads it from key_ptr/value_ptr instead, and the
+    program of its K/V head's first query head writes it to slot_ptr's slot (-1: padding,
+    nothing written): no program of the launch reads that slot, so no store_kv launch has
+    to come first."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -219,9 +227,13 @@ def _decode_kernel(
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * bt_stride_s
-    for block_start in range(start, end, BLOCK_N):
+    last = seq_len - 1
+    cached_end = end
+    if STORE_NEW_KV:
+        cached_end = tl.minimum(end, last)
+    for block_start in range(start, cached_end, BLOCK_N):
         cols = block_start + tl.arange(0, BLOCK_N)
-        col_mask = cols < end
+        col_mask = cols < cached_end
         blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
         slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
         kv_offsets = slots[:, None] + kv_head * cache_stride_h + dims[None, :]
@@ -237,6 +249,28 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
+    if STORE_NEW_KV:  # noqa: SIM102 -- a compile-time branch around a runtime one
+        if (start <= last) & (last < end):
+            new = seq * kv_stride_t + kv_head * kv_stride_h + dims
+            key = tl.load(key_ptr + new, mask=dim_mask, other=0.0)
+            value = tl.load(value_ptr + new, mask=dim_mask, other=0.0)
+            s_new = tl.sum(key.to(tl.float32) * q, axis=0) * qk_scale
+            m_new = tl.maximum(m_i, s_new)  # finite: s_new is
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha + p_new * value.to(tl.float32)
+            m_i = m_new
+            slot = tl.load(slot_ptr + seq)
+            if (slot >= 0) & (head % GROUP_SIZE == 0):
+                dst = (
+                    (slot // block_size) * cache_stride_b
+                    + (slot % block_size) * cache_stride_s
+                    + kv_head * cache_stride_h
+                    + dims
+                )
+                tl.store(k_cache_ptr + dst, key, mask=dim_mask)
+                tl.store(v_cache_ptr + dst, value, mask=dim_mask)
     if WRITE_PARTIAL:
         # fp32 partials: unnormalised acc, and (max, sum) for the reduce.
         part = (seq * num_heads + head) * num_splits + split
@@ -289,6 +323,32 @@ def num_sms(device: torch.device) -> int:
     return 1
 
 
+def _check_new_kv(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(key, value, slot_mapping) checked against q and the cache, or None without them."""
+    if key is None and value is None and slot_mapping is None:
+        return None
+    if key is None or value is None or slot_mapping is None:
+        raise ValueError("key, value and slot_mapping come together")
+    expected = (q.shape[0], *k_cache.shape[2:])
+    if key.shape != expected or value.shape != expected:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be {expected}"
+        )
+    if key.stride() != value.stride() or key.stride(2) != 1:
+        raise ValueError("key and value must share strides, head_dim contiguous")
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise ValueError(f"dtype mismatch: key {key.dtype}, cache {k_cache.dtype}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"slot_mapping must be int64 [{q.shape[0]}]")
+    return key, value, slot_mapping
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out) -> None:
     num_tokens, num_heads, head_dim = q.shape
     if out.shape != q.shape or out.dtype != q.dtype:
@@ -331,6 +391,9 @@ def paged_attention(
     num_splits: int | None = None,
     *,
     num_decodes: int = 0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
     prefill: PrefillConfig | None = None,
     decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -346,8 +409,15 @@ def paged_attention(
     too, and the rest the tl.dot path, which gives a one-token query a whole tile of rows.
     `prefill` and `decode` override the launch heuristics (prefill_config and
     DEFAULT_DECODE_CONFIG).
+
+    With `key`, `value` [num_tokens, num_kv_heads, head_dim] (one strides; the last dim
+    contiguous) and `slot_mapping` int64 [num_tokens], the step's own keys and values are
+    not in the cache yet: they are written to it as store_kv would (slot -1: nothing), the
+    decode path's inside its kernel (one launch fewer), the others' by store_kv first.
+    Without them the cache already holds every key.
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
+    new_kv = _check_new_kv(q, k_cache, key, value, slot_mapping)
     num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
@@ -358,16 +428,22 @@ def paged_attention(
         num_decodes = num_seqs
     elif not 0 <= num_decodes < num_seqs:
         raise ValueError(f"num_decodes must be in [0, {num_seqs}) with longer queries")
+    # The decodes' rows lead: one token each, so their tokens are rows [0, num_decodes).
+    decode_rows, rest = slice(0, num_decodes), slice(num_decodes, None)
+    if new_kv is not None and num_decodes < num_seqs:
+        key, value, slot_mapping = (t[rest] for t in new_kv)
+        store_kv(key, value, k_cache, v_cache, slot_mapping)
     if num_decodes:
-        rows = slice(0, num_decodes)
         _decode(
-            q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], max_seqlen_k,
-            out[rows], scale, num_splits, decode or DEFAULT_DECODE_CONFIG,
+            q[decode_rows], k_cache, v_cache, block_tables[decode_rows], seq_lens[decode_rows],
+            max_seqlen_k, out[decode_rows], scale, num_splits, decode or DEFAULT_DECODE_CONFIG,
+            None if new_kv is None else (
+                new_kv[0][decode_rows], new_kv[1][decode_rows], new_kv[2][decode_rows]
+            ),
         )  # fmt: skip
     if num_decodes < num_seqs:
         # The tl.dot path over the other sequences: cu_seqlens_q's offsets stay those of
         # the whole batch, so q and out are passed whole.
-        rest = slice(num_decodes, None)
         _prefill(
             q, k_cache, v_cache, block_tables[rest], seq_lens[rest], cu_seqlens_q[rest],
             max_seqlen_q, out, scale, prefill or prefill_config(q.shape[2], q.dtype),
@@ -408,8 +484,10 @@ def _prefill(
 def _decode(
     q, k_cache, v_cache, block_tables, seq_lens, max_seqlen_k, out, scale,
     num_splits: int | None, launch: DecodeConfig,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:  # fmt: skip
-    """One query token per sequence: q and out [num_seqs, num_heads, head_dim]."""
+    """One query token per sequence: q and out [num_seqs, num_heads, head_dim]; `new_kv`
+    (key, value, slot_mapping): the sequences' last keys, not in the cache yet."""
     num_seqs, num_heads, head_dim = q.shape
     splits = num_splits or choose_num_splits(num_seqs, num_heads, max_seqlen_k, num_sms(q.device))
     partial = (
@@ -423,12 +501,15 @@ def _decode(
         else out
     )
     block_d = triton.next_power_of_2(head_dim)
+    # Without new keys the kernel never reads these pointers: any tensors do.
+    key, value, slots = new_kv or (q, q, seq_lens)
     _decode_kernel[(num_seqs, num_heads, splits)](
-        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, _softmax_scale(scale),
-        splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *_cache_args(k_cache, block_tables),
+        q, k_cache, v_cache, out, partial, stats, block_tables, seq_lens, key, value, slots,
+        _softmax_scale(scale), splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key.stride(0), key.stride(1), *_cache_args(k_cache, block_tables),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, WRITE_PARTIAL=splits > 1,
-        GROUP_SIZE=num_heads // k_cache.shape[2], num_warps=launch.num_warps,
+        GROUP_SIZE=num_heads // k_cache.shape[2], STORE_NEW_KV=new_kv is not None,
+        num_warps=launch.num_warps,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
@@ -451,11 +532,18 @@ def paged_attention_ref(
     num_splits: int | None = None,
     *,
     num_decodes: int = 0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
     prefill: PrefillConfig | None = None,
     decode: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """The same contract, one sequence at a time in fp32 plain torch. Query heads are
-    grouped by the K/V head they read: q [T, H, D] as [T, H_kv, G, D]."""
+    grouped by the K/V head they read: q [T, H, D] as [T, H_kv, G, D]. New keys and
+    values are stored first (store_kv_ref)."""
+    new_kv = _check_new_kv(q, k_cache, key, value, slot_mapping)
+    if new_kv is not None:
+        store_kv_ref(new_kv[0], new_kv[1], k_cache, v_cache, new_kv[2])
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads

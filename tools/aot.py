@@ -152,8 +152,10 @@ def recorded_launches() -> Iterator[list[KernelLaunch]]:
 
 def gpt2_workload() -> list[KernelLaunch]:
     """The launches the triton attention backend makes for GPT-2 small to xl and a
-    multi-query GPTBigCode, in every dtype: store_kv from strided views of the fused qkv
-    projection, a mixed prefill + decode batch, decode batches at every split factor,
+    multi-query GPTBigCode, in every dtype: the step's keys and values as strided views of
+    the fused qkv projection (stored by store_kv ahead of the tl.dot path, inside the decode
+    kernel on the decode path), a mixed prefill + decode batch, decode batches at every
+    split factor,
     copy-on-write copies over a small two-layer cache and over one whose per-layer plane
     passes 2**31 elements, and the residual add + LayerNorm at each model's width."""
     with recorded_launches() as launches:
@@ -223,7 +225,6 @@ def _store_and_attend(
     k = k_part.view(num_tokens, num_kv_heads, head_dim)
     v = v_part.view(num_tokens, num_kv_heads, head_dim)
     slots = torch.arange(num_tokens, dtype=torch.int64) + block_size
-    store_kv_module.store_kv(k, v, k_cache, v_cache, slots)
     cu_seqlens_q = torch.tensor(
         [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
     )
@@ -240,6 +241,9 @@ def _store_and_attend(
         scale,
         num_splits=num_splits,
         num_decodes=num_decodes,
+        key=k,
+        value=v,
+        slot_mapping=slots,
     )
 
 

@@ -80,6 +80,31 @@ def test_paged_attention_real_sizes(num_heads, dtype, shape):
         torch.testing.assert_close(
             got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
         )
+    # As the engine launches it: the step's own keys and values given apart, their slots
+    # poisoned, stored by the call (the decodes' inside the decode kernel).
+    k_cache, v_cache = args[1].view(-1, num_heads, HEAD_DIM), args[2].view(-1, num_heads, HEAD_DIM)
+    slots = own_slots(args[3], seq_lens, query_lens)
+    key, value = k_cache[slots], v_cache[slots]
+    k_cache[slots] = v_cache[slots] = float("nan")
+    got = paged_attention(
+        *args, torch.empty_like(args[0]), scale, num_decodes=launches[-1][1], key=key,
+        value=value, slot_mapping=slots,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+    assert torch.equal(k_cache[slots], key) and torch.equal(v_cache[slots], value)
+
+
+def own_slots(block_tables, seq_lens, query_lens) -> torch.Tensor:
+    """The cache slots of every query token's own key: the last query_lens[s] positions."""
+    table = block_tables.cpu()
+    slots = [
+        int(table[s, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
+        for s, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True))
+        for pos in range(seq_len - q_len, seq_len)
+    ]
+    return torch.tensor(slots, dtype=torch.int64, device=block_tables.device)
 
 
 @pytest.mark.parametrize("head_dim", [4, 8, 24])

@@ -150,3 +150,83 @@ def test_split_heuristic_only_splits_long_contexts_on_an_underfilled_device():
     assert choose_num_splits(num_seqs=8, num_heads=12, max_seqlen_k=512, num_sms=132) == 6
     assert choose_num_splits(num_seqs=1, num_heads=12, max_seqlen_k=256, num_sms=132) == 4
     assert choose_num_splits(num_seqs=2, num_heads=12, max_seqlen_k=65536, num_sms=132) <= 16
+
+
+def _take_new_kv(batch, num_padding: int = 0):
+    """Moves every query token's own key and value out of the cache, as a step finds them
+    before they are stored: into strided views of a fused projection, their cache slots
+    poisoned with NaN. Returns (key, value, slot_mapping, the cache as it was); the last
+    `num_padding` decode rows get slot -1 (a CUDA-graph padding row: nothing stored)."""
+    block_size = batch.k_cache.shape[1]
+    full_k, full_v = batch.k_cache.clone(), batch.v_cache.clone()
+    num_tokens, (num_kv_heads, head_dim) = batch.q.shape[0], batch.k_cache.shape[2:]
+    fused = torch.full((num_tokens, 3, num_kv_heads, head_dim), float("nan"), dtype=batch.q.dtype)
+    slots = []
+    for s in range(batch.seq_lens.shape[0]):
+        q_start, q_end = int(batch.cu_seqlens_q[s]), int(batch.cu_seqlens_q[s + 1])
+        context = int(batch.seq_lens[s]) - (q_end - q_start)
+        for i, token in enumerate(range(q_start, q_end)):
+            pos = context + i
+            block, offset = int(batch.block_tables[s, pos // block_size]), pos % block_size
+            fused[token, 1], fused[token, 2] = full_k[block, offset], full_v[block, offset]
+            batch.k_cache[block, offset] = batch.v_cache[block, offset] = float("nan")
+            slots.append(block * block_size + offset)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    if num_padding:
+        slot_mapping[-num_padding:] = -1
+    return fused[:, 1], fused[:, 2], slot_mapping, (full_k, full_v)
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens,num_decodes,num_splits",
+    [
+        ([1, 1, 1], [70, 3, 129], 3, 1),
+        ([1, 1, 1], [70, 3, 129], 3, 4),  # the new key in a later split than the first
+        ([1, 1, 9, 16], [1, 45, 33, 16], 2, 2),  # a first token's decode; chunks after
+        ([1, 12], [20, 30], 0, None),  # a decode on the tl.dot path: stored before it
+    ],
+)
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["mha", "mqa"])
+def test_the_steps_own_keys_are_stored_and_attended(
+    query_lens, seq_lens, num_decodes, num_splits, num_kv_heads
+):
+    """Given the step's keys and values, the decode kernel reads a sequence's last key from
+    them, not from its (stale, here NaN) slot, and writes it there: after the call the cache
+    is the one a store_kv first would leave, and the output the reference's."""
+    batch = make_batch(
+        query_lens, seq_lens, num_heads=2, head_dim=16, block_size=8, dtype=torch.float32,
+        seed=8, num_kv_heads=num_kv_heads,
+    )  # fmt: skip
+    key, value, slots, (full_k, full_v) = _take_new_kv(batch)
+    expected = run(batch, paged_attention_ref, key=key, value=value, slot_mapping=slots)
+    assert torch.equal(batch.k_cache.nan_to_num(7), full_k.nan_to_num(7))  # the ref stored
+    batch.k_cache[slots // 8, slots % 8] = batch.v_cache[slots // 8, slots % 8] = float("nan")
+    got = run(
+        batch, paged_attention, num_splits=num_splits, num_decodes=num_decodes, key=key,
+        value=value, slot_mapping=slots,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(batch.k_cache.nan_to_num(7), full_k.nan_to_num(7))
+    assert torch.equal(batch.v_cache.nan_to_num(7), full_v.nan_to_num(7))
+
+
+def test_a_padding_decode_row_stores_nothing():
+    batch = make_batch(
+        [1, 1], [9, 5], num_heads=2, head_dim=16, block_size=4, dtype=torch.float32, seed=9
+    )
+    key, value, slots, (full_k, _) = _take_new_kv(batch, num_padding=1)
+    padding_slot = batch.block_tables[1, 4 // 4] * 4  # position 4 of sequence 1
+    run(batch, paged_attention, key=key, value=value, slot_mapping=slots)
+    stored = batch.k_cache[slots[0] // 4, slots[0] % 4]
+    assert torch.equal(stored, full_k[slots[0] // 4, slots[0] % 4])
+    assert torch.isnan(batch.k_cache[padding_slot // 4, padding_slot % 4]).all()
+
+
+def test_new_keys_come_with_their_slots():
+    batch = make_batch([1], [5], num_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    key = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="come together"):
+        run(batch, paged_attention, key=key, value=key)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        slots = torch.zeros(1, dtype=torch.int32)
+        run(batch, paged_attention, key=key, value=key, slot_mapping=slots)

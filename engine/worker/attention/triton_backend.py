@@ -7,11 +7,11 @@ import torch
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.kernels.copy_blocks import copy_blocks
 from octavo.kernels.paged_attention import paged_attention
-from octavo.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """store_kv, then one paged_attention call for the whole mixed batch per layer.
+    """One paged_attention call for the whole mixed batch per layer, given the step's keys
+    and values: it stores the decodes' inside the decode kernel and the rest first.
 
     Keys are located per position through the block table, so any block size works; the
     metadata needs no per-step preparation beyond what the runner builds (a mixed batch's
@@ -32,13 +32,11 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return paged_attention(
             q,
-            k_cache,
-            v_cache,
+            kv_cache[0],
+            kv_cache[1],
             metadata.block_tables,
             metadata.seq_lens,
             metadata.cu_seqlens_q,
@@ -48,6 +46,9 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             num_splits=metadata.decode_num_splits,
             num_decodes=metadata.num_decodes,
+            key=k,
+            value=v,
+            slot_mapping=metadata.slot_mapping,
         )
 
     def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
