@@ -14,6 +14,8 @@ from torch import nn
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
+from octavo.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS
+from octavo.kernels.norm_linear import norm_linear
 
 # QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
 # approximates the normal CDF (Hendrycks & Gimpel, the GELU paper), as in HF's quick_gelu.
@@ -275,6 +277,7 @@ class GPT2Block(nn.Module):
         self.attn = attention(config, layer, backend)
         self.ln_2 = AddLayerNorm(config.n_embd, eps, fused)
         self.mlp = GPT2MLP(config)
+        self.fused = fused
 
     def forward(
         self,
@@ -294,6 +297,11 @@ class GPT2Block(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's work before attention, row by row: (c_attn's output, the residual)."""
+        if self._norm_linear_fits(x):
+            ln, c_attn = self.ln_1, self.attn.c_attn
+            return norm_linear(
+                x, residual, ln.weight, ln.bias, ln.eps, c_attn.weight, c_attn.bias
+            )  # fmt: skip
         normed, residual = self.ln_1(x, residual)
         return self.attn.c_attn(normed), residual
 
@@ -302,8 +310,20 @@ class GPT2Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's work after attention, row by row: (the MLP's output, the residual it
         is to be added to)."""
-        normed, residual = self.ln_2(self.attn.c_proj(attended), residual)
+        x = self.attn.c_proj(attended)
+        if self.mlp.tanh_gelu and self._norm_linear_fits(x):
+            ln, c_fc = self.ln_2, self.mlp.c_fc
+            hidden, residual = norm_linear(
+                x, residual, ln.weight, ln.bias, ln.eps, c_fc.weight, c_fc.bias, gelu=True
+            )
+            return self.mlp.c_proj(hidden), residual
+        normed, residual = self.ln_2(x, residual)
         return self.mlp(normed), residual
+
+    def _norm_linear_fits(self, x: torch.Tensor) -> bool:
+        """Whether the LayerNorm and the product after it run as one norm_linear launch: on
+        the Triton kernels, for a step of few rows (a small decode batch's)."""
+        return self.fused and x.shape[0] <= NORM_LINEAR_MAX_ROWS
 
 
 class GPT2LMHeadModel(nn.Module):
