@@ -11,6 +11,11 @@ overhead), rotating over enough input sets that K/V come from device memory, not
 --sweep also times every decode launch config x split factor over a grid of batch x
 context, and prefill tile configs, to pick the heuristics from.
 
+norm_linear (a residual add, its LayerNorm and c_attn's or c_fc's product in one launch)
+is timed against what it replaces, add_layer_norm and then the library's product (c_fc's
+with the GELU in cuBLASLt's epilogue, as the model runs it), at 1-16 rows and GPT-2 small's
+and xl's widths, over enough weight sets that they come from device memory.
+
 Goals: decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
 prefill >= 80% of SDPA's TFLOP/s.
 
@@ -52,6 +57,9 @@ except ImportError:  # run as a plain script on a machine without the package in
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
+from octavo.kernels.layer_norm import add_layer_norm  # noqa: E402
+from octavo.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS  # noqa: E402
+from octavo.kernels.norm_linear import norm_linear  # noqa: E402
 from octavo.kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
@@ -61,6 +69,7 @@ from octavo.kernels.paged_attention import (  # noqa: E402
 )
 
 HEAD_DIM, BLOCK_SIZE = 64, 16
+LAYER_NORM_EPS = 1e-5  # GPT-2's
 # Rows that the decode goal applies to.
 GOAL_MIN_BATCH, GOAL_MIN_CONTEXT = 64, 512
 DECODE_GOAL, PREFILL_GOAL = 0.7, 0.8
@@ -89,6 +98,8 @@ class Shapes:
     decode_candidates: tuple[DecodeConfig, ...]
     decode_split_candidates: tuple[int, ...]
     prefill_candidates: tuple[PrefillConfig, ...]
+    norm_linear_widths: tuple[int, ...]
+    norm_linear_rows: tuple[int, ...]
 
 
 FULL = Shapes(
@@ -118,6 +129,8 @@ FULL = Shapes(
         )
         for num_stages in (2, 3)
     ),  # fmt: skip
+    norm_linear_widths=(768, 1600),
+    norm_linear_rows=(1, 4, 16),
 )
 SMOKE = Shapes(
     heads=2,
@@ -131,6 +144,8 @@ SMOKE = Shapes(
     decode_candidates=(DecodeConfig(16, num_warps=2), DecodeConfig(32)),
     decode_split_candidates=(1,),
     prefill_candidates=(PrefillConfig(16, 16), PrefillConfig(16, 32, num_stages=2)),
+    norm_linear_widths=(32,),
+    norm_linear_rows=(1, 4),
 )
 
 
@@ -248,6 +263,50 @@ def bench_decode(shapes: Shapes, device: torch.device, copy_bw: float) -> list[d
     return rows
 
 
+def unfused_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, gelu):
+    """What norm_linear replaces in the model: add_layer_norm, then the product."""
+    normed, total = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
+    if gelu and normed.is_cuda:
+        return torch._addmm_activation(bias, normed, weight.t(), use_gelu=True), total
+    out = F.linear(normed, weight, bias)
+    return (F.gelu(out, approximate="tanh") if gelu else out), total
+
+
+def bench_norm_linear(shapes: Shapes, device: torch.device) -> list[dict]:
+    rows = []
+    dtype = shapes.dtype
+    for width in shapes.norm_linear_widths:
+        for layer, out_width, gelu in (("c_attn", 3 * width, False), ("c_fc", 4 * width, True)):
+            count = num_input_sets(device, out_width * width * dtype.itemsize)
+            sets = [
+                (
+                    torch.randn((NORM_LINEAR_MAX_ROWS, width), dtype=dtype, device=device),
+                    torch.randn((NORM_LINEAR_MAX_ROWS, width), dtype=dtype, device=device),
+                    torch.randn(width, dtype=dtype, device=device),
+                    torch.randn(width, dtype=dtype, device=device),
+                    LAYER_NORM_EPS,
+                    torch.randn((out_width, width), dtype=dtype, device=device) * width**-0.5,
+                    torch.randn(out_width, dtype=dtype, device=device),
+                )
+                for _ in range(count)
+            ]
+            for num_rows in shapes.norm_linear_rows:
+                cut = [(x[:num_rows], r[:num_rows], *rest) for x, r, *rest in sets]
+                fused = time_ms([partial(norm_linear, *a, gelu=gelu) for a in cut], device)
+                unfused = time_ms([partial(unfused_norm_linear, *a, gelu) for a in cut], device)
+                rows.append({
+                    "layer": layer, "width": width, "out_width": out_width, "rows": num_rows,
+                    "fused_ms": fused, "unfused_ms": unfused, "speedup": unfused / fused,
+                })  # fmt: skip
+                print(
+                    f"norm_linear {layer} {width}x{out_width} rows={num_rows:2d}: "
+                    f"{fused * 1e3:7.1f} us, add_layer_norm + product {unfused * 1e3:7.1f} us "
+                    f"({unfused / fused:.2f}x)"
+                )
+            del sets
+    return rows
+
+
 def bench_prefill(shapes: Shapes, device: torch.device) -> list[dict]:
     rows = []
     heads, scale = shapes.heads, HEAD_DIM**-0.5
@@ -359,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
     decode = bench_decode(shapes, device, copy_bw)
     prefill = bench_prefill(shapes, device)
+    norm_linear_rows = bench_norm_linear(shapes, device)
     sweep = bench_sweep(shapes, device, copy_bw) if args.sweep else None
     goal_rows = [
         r for r in decode if r["batch"] >= GOAL_MIN_BATCH and r["context"] >= GOAL_MIN_CONTEXT
@@ -382,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "decode": decode,
         "prefill": prefill,
+        "norm_linear": norm_linear_rows,
         "sweep": sweep,
         "goals": {
             "decode_min_fraction_of_copy_bw": min(
