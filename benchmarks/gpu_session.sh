@@ -14,6 +14,9 @@
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
+#   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh fusions OUT_DIR
+#       # kernel_bench (norm_linear against what it replaces), then `compare` at batches
+#       # 1, 8, 16, 64 and 256
 #
 # The GPU machine lacks packages the engine imports (llguidance, msgspec, pyzmq: every stage
 # needs them) and the server's: `bash benchmarks/gpu_wheels.sh` fetches them here as wheels
@@ -27,7 +30,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|piecewise|compare OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|piecewise|compare|fusions OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -208,7 +211,7 @@ compare)
     # cut short at its time limit still holds one measurement of each tree.
     before=${BEFORE_ROOT:?compare needs BEFORE_ROOT, another checkout to measure against}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-    profile=(--device cuda --dtype float16 --preset gpt2)
+    profile=(--device cuda --dtype float16 --preset gpt2 ${PROFILE_BATCHES:+--batches $PROFILE_BATCHES})
     for round in 1 2; do
         step "profile_after_$round" "$python" benchmarks/profile_decode.py "${profile[@]}" \
             --result-file "$out/profile_after_$round.json"
@@ -220,6 +223,14 @@ compare)
                 tests/model -p no:cacheprovider --timeout 300
         fi
     done
+    ;;
+fusions)
+    # Launches fewer per layer at small batches (the decode kernel storing the step's K/V,
+    # norm_linear): the kernel first, against add_layer_norm and the library's product;
+    # then the step, against the checkout before them, at the batches norm_linear covers
+    # (up to 16 rows) and beyond.
+    step kernel_bench "$python" benchmarks/kernel_bench.py --result-file "$out/kernel_bench.json"
+    PROFILE_BATCHES="1 8 16 64 256" bash "$0" compare "$out" || status=$?
     ;;
 *)
     echo "unknown stage $stage" >&2
