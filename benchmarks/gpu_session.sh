@@ -229,7 +229,12 @@ fusions)
     # norm_linear): the kernel first, against add_layer_norm and the library's product;
     # then the step, against the checkout before them, at the batches norm_linear covers
     # (up to 16 rows) and beyond.
+    # kernel_bench's decode rows time the decode kernel alone (its table reads now overlap
+    # the cache reads): the tree before is timed too.
+    before=${BEFORE_ROOT:?fusions needs BEFORE_ROOT, the checkout to measure against}
     step kernel_bench "$python" benchmarks/kernel_bench.py --result-file "$out/kernel_bench.json"
+    step kernel_bench_before env PYTHONPATH="$before:$PYTHONPATH" "$python" \
+        "$before/benchmarks/kernel_bench.py" --result-file "$out/kernel_bench_before.json"
     PROFILE_BATCHES="1 8 16 64 256" bash "$0" compare "$out" || status=$?
     ;;
 *)

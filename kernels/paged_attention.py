@@ -231,11 +231,18 @@ def _decode_kernel(
     cached_end = end
     if STORE_NEW_KV:
         cached_end = tl.minimum(end, last)
+    first_cols = start + tl.arange(0, BLOCK_N)
+    blocks = tl.load(table + first_cols // block_size, mask=first_cols < cached_end, other=0)
     for block_start in range(start, cached_end, BLOCK_N):
         cols = block_start + tl.arange(0, BLOCK_N)
         col_mask = cols < cached_end
-        blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
-        slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
+        # The next tile's block ids are asked for before this tile's keys are waited on, so
+        # that the two reads overlap rather than chain (each tile's keys need its ids).
+        next_cols = cols + BLOCK_N
+        next_blocks = tl.load(table + next_cols // block_size, mask=next_cols < cached_end, other=0)
+        slots = (
+            blocks.to(tl.int64) * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
+        )
         kv_offsets = slots[:, None] + kv_head * cache_stride_h + dims[None, :]
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
@@ -249,6 +256,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
+        blocks = next_blocks
     if STORE_NEW_KV:  # noqa: SIM102 -- a compile-time branch around a runtime one
         if (start <= last) & (last < end):
             new = seq * kv_stride_t + kv_head * kv_stride_h + dims
