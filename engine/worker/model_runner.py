@@ -214,7 +214,7 @@ class ModelRunner:
             self._last_sampled = None
         candidates = None
         if batch.beam_seq_ids:
-            logprobs = torch.log_softmax(logits[num_sampled:], dim=-1)
+            logprobs = torch.log_softmax(logits[num_sampled:].float(), dim=-1)
             self._mask_constrained_beams(logprobs, batch.beam_seq_ids)
             candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
         return StepFuture(
@@ -363,7 +363,7 @@ def profile_activation_bytes(
     before = torch.cuda.memory_allocated(device)
     hidden = model(torch.zeros_like(positions), positions, cache, backend.prepare(metadata))
     rows = torch.arange(max_num_seqs, device=device) % hidden.shape[0]
-    torch.log_softmax(model.compute_logits(hidden[rows]), dim=-1)
+    torch.log_softmax(model.compute_logits(hidden[rows]).float(), dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del cache, hidden

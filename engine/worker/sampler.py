@@ -81,11 +81,14 @@ class Sampler:
         self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-        """logits: [num_rows, vocab] float32, one row per row of `batch`. Nothing here waits
-        for the device: the results stay where they were computed until
+        """logits: [num_rows, vocab] in the model's dtype, one row per row of `batch`. Nothing
+        here waits for the device: the results stay where they were computed until
         `SampledTokens.to_host`."""
         if batch.all_plain_greedy:
-            return SampledTokens(argmax_rows(logits))  # the fast path: one pass
+            # The fast path: one pass over the logits as they are (widening to float32 is
+            # exact and keeps their order, so the argmax is the same).
+            return SampledTokens(argmax_rows(logits))
+        logits = logits.float()
         num_top = batch.num_top
         want_logprobs = bool((num_top != NO_LOGPROBS).any())
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

@@ -145,6 +145,28 @@ def test_penalties_of_a_batch_are_each_rows_own():
         assert rows.penalties.seen[rows.slots[i], sampled[i]]
 
 
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["plain", "logprobs"])
+def test_half_precision_logits_sample_as_their_float32_widening(logprobs):
+    """The model's logits come in its dtype: a plain greedy batch takes the argmax as they
+    are, any other widens them first, so both give what float32 logits give."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).half()
+    logits[1, [7, 30]] = logits[1].max() + 1  # a tie: the first index wins either way
+    states = [request(temperature=0.0, logprobs=logprobs) for _ in range(3)]
+    got = Sampler(torch.Generator().manual_seed(0), GRAMMARS)(logits, batch(states, 50))
+    expected = Sampler(torch.Generator().manual_seed(0), GRAMMARS)(
+        logits.float(), batch(states, 50)
+    )
+    assert (
+        got.token_ids.tolist()
+        == expected.token_ids.tolist()
+        == [int(row.float().argmax()) for row in logits]
+    )
+    assert got.token_ids[1] == 7
+    if logprobs is not None:
+        assert got.logprobs.dtype == torch.float32
+        assert torch.equal(got.logprobs, expected.logprobs)
+
+
 def test_greedy_takes_the_argmax_and_reports_model_logprobs():
     sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([PROBS, PROBS[::-1]]).log()

@@ -330,8 +330,8 @@ class GPT2LMHeadModel(nn.Module):
     """GPT-2 on a flat batch of tokens from many sequences.
 
     forward(input_ids [T], positions [T], kv_cache [L, 2, num_blocks, block_size, H_kv, D],
-    metadata) -> hidden states [T, C]; compute_logits(hidden [S, C]) -> [S, vocab] float32, to
-    be called only on the rows that sample. H_kv is config.num_kv_heads.
+    metadata) -> hidden states [T, C]; compute_logits(hidden [S, C]) -> [S, vocab] in the
+    model's dtype, to be called only on the rows that sample. H_kv is config.num_kv_heads.
     """
 
     config_class: ClassVar[type[GPT2Config]] = GPT2Config
@@ -400,7 +400,9 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head_padded = padded
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, vocab] in the model's dtype: widening them is the sampler's call, since a
+        greedy batch's argmax needs none (a [S, vocab] copy the size of the product)."""
         if self.lm_head_padded is None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         logits = F.linear(hidden, self.lm_head_padded)  # [S, padded vocab]
-        return logits[:, : self.config.vocab_size].float()
+        return logits[:, : self.config.vocab_size]
