@@ -13,8 +13,9 @@ context, and prefill tile configs, to pick the heuristics from.
 
 norm_linear (a residual add, its LayerNorm and c_attn's or c_fc's product in one launch)
 is timed against what it replaces, add_layer_norm and then the library's product (c_fc's
-with the GELU in cuBLASLt's epilogue, as the model runs it), at 1-16 rows and GPT-2 small's
-and xl's widths, over enough weight sets that they come from device memory.
+with the GELU in cuBLASLt's epilogue, as the model runs it), and few_rows_linear (the two
+c_proj) against F.linear, at 1-16 rows and GPT-2 small's and xl's widths, over enough
+weight sets that they come from device memory.
 
 Goals: decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
 prefill >= 80% of SDPA's TFLOP/s.
@@ -59,7 +60,7 @@ except ImportError:  # run as a plain script on a machine without the package in
 from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
 from octavo.kernels.layer_norm import add_layer_norm  # noqa: E402
 from octavo.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS  # noqa: E402
-from octavo.kernels.norm_linear import norm_linear  # noqa: E402
+from octavo.kernels.norm_linear import few_rows_linear, norm_linear  # noqa: E402
 from octavo.kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
@@ -273,34 +274,47 @@ def unfused_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, 
 
 
 def bench_norm_linear(shapes: Shapes, device: torch.device) -> list[dict]:
+    """A small step's four products per layer on norm_linear's kernel against the model's
+    other path: c_attn and c_fc with the norm (against add_layer_norm and the library's
+    product), the two c_proj alone (against F.linear)."""
     rows = []
     dtype = shapes.dtype
+    layers = (
+        ("c_attn", 1, 3, True, False), ("c_fc", 1, 4, True, True),
+        ("c_proj", 1, 1, False, False), ("mlp_c_proj", 4, 1, False, False),
+    )  # fmt: skip
     for width in shapes.norm_linear_widths:
-        for layer, out_width, gelu in (("c_attn", 3 * width, False), ("c_fc", 4 * width, True)):
-            count = num_input_sets(device, out_width * width * dtype.itemsize)
+        for layer, in_mult, out_mult, norm, gelu in layers:
+            in_width, out_width = in_mult * width, out_mult * width
+            count = num_input_sets(device, out_width * in_width * dtype.itemsize)
             sets = [
                 (
-                    torch.randn((NORM_LINEAR_MAX_ROWS, width), dtype=dtype, device=device),
-                    torch.randn((NORM_LINEAR_MAX_ROWS, width), dtype=dtype, device=device),
-                    torch.randn(width, dtype=dtype, device=device),
-                    torch.randn(width, dtype=dtype, device=device),
+                    torch.randn((NORM_LINEAR_MAX_ROWS, in_width), dtype=dtype, device=device),
+                    torch.randn((NORM_LINEAR_MAX_ROWS, in_width), dtype=dtype, device=device),
+                    torch.randn(in_width, dtype=dtype, device=device),
+                    torch.randn(in_width, dtype=dtype, device=device),
                     LAYER_NORM_EPS,
-                    torch.randn((out_width, width), dtype=dtype, device=device) * width**-0.5,
+                    torch.randn((out_width, in_width), dtype=dtype, device=device) * in_width**-0.5,
                     torch.randn(out_width, dtype=dtype, device=device),
                 )
                 for _ in range(count)
             ]
             for num_rows in shapes.norm_linear_rows:
                 cut = [(x[:num_rows], r[:num_rows], *rest) for x, r, *rest in sets]
-                fused = time_ms([partial(norm_linear, *a, gelu=gelu) for a in cut], device)
-                unfused = time_ms([partial(unfused_norm_linear, *a, gelu) for a in cut], device)
+                if norm:
+                    fused_calls = [partial(norm_linear, *a, gelu=gelu) for a in cut]
+                    other = [partial(unfused_norm_linear, *a, gelu) for a in cut]
+                else:
+                    fused_calls = [partial(few_rows_linear, a[0], a[5], a[6]) for a in cut]
+                    other = [partial(F.linear, a[0], a[5], a[6]) for a in cut]
+                fused, unfused = time_ms(fused_calls, device), time_ms(other, device)
                 rows.append({
-                    "layer": layer, "width": width, "out_width": out_width, "rows": num_rows,
+                    "layer": layer, "width": in_width, "out_width": out_width, "rows": num_rows,
                     "fused_ms": fused, "unfused_ms": unfused, "speedup": unfused / fused,
                 })  # fmt: skip
                 print(
-                    f"norm_linear {layer} {width}x{out_width} rows={num_rows:2d}: "
-                    f"{fused * 1e3:7.1f} us, add_layer_norm + product {unfused * 1e3:7.1f} us "
+                    f"norm_linear {layer} {in_width}x{out_width} rows={num_rows:2d}: "
+                    f"{fused * 1e3:7.1f} us, the model's other path {unfused * 1e3:7.1f} us "
                     f"({unfused / fused:.2f}x)"
                 )
             del sets

@@ -1,5 +1,6 @@
 """norm_linear: a residual add, the LayerNorm of its sum and the linear layer that reads the
-norm, in one launch, for the few rows of a small decode step.
+norm, in one launch, for the few rows of a small decode step; few_rows_linear: the same
+kernel's product alone (a layer's two c_proj).
 
 With a handful of sequences a decode step is bound by its launches, not by arithmetic: a
 layer's add_layer_norm and the matrix product after it are two kernels over a few rows,
@@ -56,38 +57,46 @@ def _norm_linear_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, norm_bias_ptr, weight_ptr, bias_ptr, out_ptr,
     residual_out_ptr, num_rows, width, out_width, x_stride, residual_stride, weight_stride,
     out_stride, residual_out_stride, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GELU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+    GELU: tl.constexpr,
 ):  # fmt: skip
+    """With NORM, the product's input is layer_norm(x + residual), the sum also written to
+    residual_out; without, x itself (residual, the norm's and residual_out's pointers are
+    not read)."""
     column_tile = tl.program_id(0)
-    dtype = residual_out_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     row_mask = rows < num_rows
-    # Pass 1: the sum's mean. The first column tile also writes the sum, the residual
-    # stream from here on.
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for start in range(0, width, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (cols < width)[None, :]
-        h = _summed(x_ptr, residual_ptr, x_stride, residual_stride, rows, cols, mask, dtype)
-        if column_tile == 0:
-            tl.store(
-                residual_out_ptr + rows[:, None] * residual_out_stride + cols[None, :],
-                h.to(dtype),
-                mask=mask,
-            )
-        total += tl.sum(h, axis=1)
-    mean = total / width
-    # Pass 2: the variance about it (centred, as add_layer_norm computes it).
-    squares = tl.zeros([BLOCK_M], tl.float32)
-    for start in range(0, width, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (cols < width)[None, :]
-        h = _summed(x_ptr, residual_ptr, x_stride, residual_stride, rows, cols, mask, dtype)
-        centred = tl.where(mask, h - mean[:, None], 0.0)
-        squares += tl.sum(centred * centred, axis=1)
-    rstd = 1.0 / tl.sqrt(squares / width + eps)
-    # Pass 3: the norm, rounded to the activations' dtype as the unfused LayerNorm's output
-    # is, times this program's columns of the weight ([out_width, width], nn.Linear's).
+    mean = tl.zeros([BLOCK_M], tl.float32)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        # Pass 1: the sum's mean. The first column tile also writes the sum, the residual
+        # stream from here on.
+        total = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, width, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (cols < width)[None, :]
+            h = _summed(x_ptr, residual_ptr, x_stride, residual_stride, rows, cols, mask, dtype)
+            if column_tile == 0:
+                tl.store(
+                    residual_out_ptr + rows[:, None] * residual_out_stride + cols[None, :],
+                    h.to(dtype),
+                    mask=mask,
+                )
+            total += tl.sum(h, axis=1)
+        mean = total / width
+        # Pass 2: the variance about it (centred, as add_layer_norm computes it).
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, width, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (cols < width)[None, :]
+            h = _summed(x_ptr, residual_ptr, x_stride, residual_stride, rows, cols, mask, dtype)
+            centred = tl.where(mask, h - mean[:, None], 0.0)
+            squares += tl.sum(centred * centred, axis=1)
+        rstd = 1.0 / tl.sqrt(squares / width + eps)
+    # Pass 3: the input (with NORM, the norm, rounded to the activations' dtype as the
+    # unfused LayerNorm's output is) times this program's columns of the weight
+    # ([out_width, width], nn.Linear's).
     columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     column_mask = columns < out_width
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -95,11 +104,14 @@ def _norm_linear_kernel(
         cols = start + tl.arange(0, BLOCK_K)
         col_mask = cols < width
         mask = row_mask[:, None] & col_mask[None, :]
-        h = _summed(x_ptr, residual_ptr, x_stride, residual_stride, rows, cols, mask, dtype)
-        gamma = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        beta = tl.load(norm_bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        normed = (h - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
-        normed = tl.where(mask, normed, 0.0).to(dtype)
+        if NORM:
+            h = _summed(x_ptr, residual_ptr, x_stride, residual_stride, rows, cols, mask, dtype)
+            gamma = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            beta = tl.load(norm_bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            normed = (h - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
+            normed = tl.where(mask, normed, 0.0).to(dtype)
+        else:
+            normed = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
         weight = tl.load(
             weight_ptr + columns[None, :].to(tl.int64) * weight_stride + cols[:, None],
             mask=col_mask[:, None] & column_mask[None, :],
@@ -153,31 +165,59 @@ def norm_linear(
     out_width = weight.shape[0]
     if norm_weight.shape != (width,) or norm_bias.shape != (width,):
         raise ValueError(f"norm_weight and norm_bias must be [{width}]")
+    _check_weight(x, weight, bias)
+    if x.dtype != residual.dtype:
+        raise ValueError(f"dtype mismatch: x {x.dtype}, residual {residual.dtype}")
+    if residual.stride(1) != 1 or norm_weight.stride(0) != 1 or norm_bias.stride(0) != 1:
+        raise ValueError("residual's rows, norm_weight and norm_bias must be contiguous")
+    out = torch.empty((num_rows, out_width), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return out, residual_out
+    _launch(x, residual, norm_weight, norm_bias, eps, weight, bias, out, residual_out, gelu)
+    return out, residual_out
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of up to MAX_ROWS rows, by norm_linear's kernel
+    without the norm: one launch where the library may take two (a split-K product and its
+    reduce). x: [num_rows, width], rows contiguous; weight and bias as norm_linear's."""
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"x must be [<= {MAX_ROWS}, width], got {tuple(x.shape)}")
+    num_rows, width = x.shape
+    out_width = weight.shape[0]
+    _check_weight(x, weight, bias)
+    out = torch.empty((num_rows, out_width), dtype=x.dtype, device=x.device)
+    if num_rows:
+        _launch(x, x, bias, bias, 0.0, weight, bias, out, out, gelu=False, norm=False)
+    return out
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    width, out_width = x.shape[1], weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != width or bias.shape != (out_width,):
         raise ValueError(
             f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} must be "
             f"[out_width, {width}] and [out_width]"
         )
-    if x.dtype != residual.dtype or weight.dtype != x.dtype:
-        raise ValueError(
-            f"dtype mismatch: x {x.dtype}, residual {residual.dtype}, weight {weight.dtype}"
-        )
-    if x.stride(1) != 1 or residual.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("the width must be the contiguous dimension")
-    if norm_weight.stride(0) != 1 or norm_bias.stride(0) != 1 or bias.stride(0) != 1:
-        raise ValueError("norm_weight, norm_bias and bias must be contiguous")
-    out = torch.empty((num_rows, out_width), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if num_rows == 0:
-        return out, residual_out
+    if weight.dtype != x.dtype:
+        raise ValueError(f"dtype mismatch: x {x.dtype}, weight {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or bias.stride(0) != 1:
+        raise ValueError("x's and weight's rows, and bias, must be contiguous")
+
+
+def _launch(
+    x, residual, norm_weight, norm_bias, eps, weight, bias, out, residual_out, gelu: bool,
+    norm: bool = True,
+) -> None:  # fmt: skip
+    out_width = weight.shape[0]
     block_n = column_block(out_width, num_sms(x.device))
     _norm_linear_kernel[(triton.cdiv(out_width, block_n),)](
         x, residual, norm_weight, norm_bias, weight, bias, out, residual_out,
-        num_rows, width, out_width, x.stride(0), residual.stride(0), weight.stride(0),
+        x.shape[0], x.shape[1], out_width, x.stride(0), residual.stride(0), weight.stride(0),
         out.stride(0), residual_out.stride(0), eps,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GELU=gelu,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, NORM=norm, GELU=gelu,
     )  # fmt: skip
-    return out, residual_out
 
 
 def norm_linear_ref(

@@ -261,18 +261,22 @@ def _layer_norm_launch(width: int, dtype: torch.dtype) -> None:
 
 
 def _norm_linear_launches(width: int, dtype: torch.dtype) -> None:
-    """A layer's two: into c_attn ([3C, C]) and into c_fc with the GELU ([4C, C])."""
-    rows = torch.zeros((norm_linear_module.MAX_ROWS, width), dtype=dtype)
+    """A small step's layer on norm_linear's kernel: the norm into c_attn ([3C, C]) and into
+    c_fc with the GELU ([4C, C]), then c_proj ([C, C]) and the MLP's ([C, 4C]) alone."""
+    rows = torch.zeros((norm_linear_module.MAX_ROWS, 4 * width), dtype=dtype)
     norm = torch.ones(width, dtype=dtype)
-    for out_width, gelu in ((3 * width, False), (4 * width, True)):
-        weight = torch.zeros((out_width, width), dtype=dtype)
-        bias = torch.zeros(out_width, dtype=dtype)
-        for sms in NORM_LINEAR_SMS:
-            with mock.patch.object(norm_linear_module, "num_sms", lambda _device, n=sms: n):
+    for sms in NORM_LINEAR_SMS:
+        with mock.patch.object(norm_linear_module, "num_sms", lambda _device, n=sms: n):
+            for out_width, gelu in ((3 * width, False), (4 * width, True)):
+                weight = torch.zeros((out_width, width), dtype=dtype)
+                bias = torch.zeros(out_width, dtype=dtype)
                 norm_linear_module.norm_linear(
-                    rows, rows, norm, norm, GPT2Config.layer_norm_epsilon, weight, bias,
-                    gelu=gelu,
+                    rows[:, :width], rows[:, :width], norm, norm,
+                    GPT2Config.layer_norm_epsilon, weight, bias, gelu=gelu,
                 )  # fmt: skip
+            for in_width in (width, 4 * width):
+                weight = torch.zeros((width, in_width), dtype=dtype)
+                norm_linear_module.few_rows_linear(rows[:, :in_width], weight, norm)
 
 
 def _copy_launch(num_heads: int, dtype: torch.dtype, num_blocks: int) -> None:

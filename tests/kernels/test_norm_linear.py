@@ -1,9 +1,16 @@
-"""norm_linear against its torch twin (the interpreter on CPU), and its input checks."""
+"""norm_linear and few_rows_linear against torch (the interpreter on CPU), and their input
+checks."""
 
 import pytest
 import torch
 
-from octavo.kernels.norm_linear import MAX_ROWS, column_block, norm_linear, norm_linear_ref
+from octavo.kernels.norm_linear import (
+    MAX_ROWS,
+    column_block,
+    few_rows_linear,
+    norm_linear,
+    norm_linear_ref,
+)
 
 EPS = 1e-5
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -42,6 +49,18 @@ def test_matches_add_layer_norm_then_linear(rows, width, out_width, gelu, dtype)
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows,width,out_width", [(1, 48, 40), (MAX_ROWS, 200, 72)])
+def test_few_rows_linear_is_the_product_alone(rows, width, out_width, dtype):
+    x, _, _, _, _, weight, bias = operands(rows, width, out_width, dtype, seed=width)
+    out = few_rows_linear(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, out_width)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="must be"):
+        few_rows_linear(operands(MAX_ROWS + 1, 8, 16, dtype)[0], weight, bias)
+
+
 def test_columns_spread_over_every_sm_in_tiles_a_dot_takes():
     assert column_block(2304, sms=1) == 64
     assert column_block(2304, sms=132) == 16  # 144 programs of 16 columns
@@ -67,5 +86,5 @@ def test_rejects_bad_inputs():
         norm_linear(x, residual, norm_weight, norm_bias, eps, weight.half(), bias)
     with pytest.raises(ValueError, match="contiguous"):
         norm_linear(x, residual, norm_weight, norm_bias, eps, weight.t().contiguous().t(), bias)
-    with pytest.raises(ValueError, match="bias must be contiguous"):
+    with pytest.raises(ValueError, match="must be contiguous"):
         norm_linear(x, residual, norm_weight, norm_bias, eps, weight, weight[:, 0])

@@ -15,7 +15,7 @@ from torch import nn
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 from octavo.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS
-from octavo.kernels.norm_linear import norm_linear
+from octavo.kernels.norm_linear import few_rows_linear, norm_linear
 
 # QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
 # approximates the normal CDF (Hendrycks & Gimpel, the GELU paper), as in HF's quick_gelu.
@@ -310,19 +310,20 @@ class GPT2Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's work after attention, row by row: (the MLP's output, the residual it
         is to be added to)."""
-        x = self.attn.c_proj(attended)
-        if self.mlp.tanh_gelu and self._norm_linear_fits(x):
-            ln, c_fc = self.ln_2, self.mlp.c_fc
-            hidden, residual = norm_linear(
-                x, residual, ln.weight, ln.bias, ln.eps, c_fc.weight, c_fc.bias, gelu=True
-            )
-            return self.mlp.c_proj(hidden), residual
-        normed, residual = self.ln_2(x, residual)
-        return self.mlp(normed), residual
+        if not (self.mlp.tanh_gelu and self._norm_linear_fits(attended)):
+            normed, residual = self.ln_2(self.attn.c_proj(attended), residual)
+            return self.mlp(normed), residual
+        c_proj, ln, mlp = self.attn.c_proj, self.ln_2, self.mlp
+        x = few_rows_linear(attended, c_proj.weight, c_proj.bias)
+        hidden, residual = norm_linear(
+            x, residual, ln.weight, ln.bias, ln.eps, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True
+        )
+        return few_rows_linear(hidden, mlp.c_proj.weight, mlp.c_proj.bias), residual
 
     def _norm_linear_fits(self, x: torch.Tensor) -> bool:
-        """Whether the LayerNorm and the product after it run as one norm_linear launch: on
-        the Triton kernels, for a step of few rows (a small decode batch's)."""
+        """Whether the block's products run on norm_linear's kernel (each LayerNorm with the
+        product after it, the two c_proj alone): on the Triton kernels, for a step of few
+        rows (a small decode batch's)."""
         return self.fused and x.shape[0] <= NORM_LINEAR_MAX_ROWS
 
 
