@@ -136,16 +136,16 @@ offline)
     ;;
 serve)
     # 256 streams of short prompts, 64-128 tokens each, EOS ignored: offline and served on
-    # the same requests, four client processes so the client is not the bottleneck. 1024
-    # requests, 256 running at a time: 256 alone take well under a second offline, too short a
-    # window against the servers' start-up spread.
+    # the same requests, four client processes so the client is not the bottleneck. 4096
+    # requests, 256 running at a time: 1024 took 0.8-1.4 s a run on an H200, and two runs of
+    # one mode differed by more than two modes did.
     # With py-spy (carried as a wheel, its binary on the PATH), every server process's stacks
     # in each mode's first timed run: the core spins on CUDA events, so its CPU time alone
     # cannot tell its work from its waiting.
     stacks=()
     command -v py-spy >/dev/null && stacks=(--py-spy-dir "$out/stacks")
     step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
-        --dtype float16 --num-requests 1024 --modes streamed unstreamed interval8 api2 \
+        --dtype float16 --num-requests 4096 --modes streamed unstreamed interval8 api2 \
         --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     latency default "1 4 16 64"
