@@ -151,6 +151,8 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         # The previous step's sampled tokens (device) and the sequence of each row.
         self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
+        # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
+        self._leading_rows = torch.arange(max_num_seqs, device=device)
         self._pinned: dict[str, torch.Tensor] = {}  # CUDA: staging buffer per input kind
         # Recorded after a step's copies: the next step waits on it before refilling the
         # pinned buffers, which a copy still in flight may be reading.
@@ -261,6 +263,11 @@ class ModelRunner:
             return None
         assert self._last_sampled is not None, "a pending input token but no previous sample"
         tokens, seq_ids = self._last_sampled
+        rows, pending = batch.pending_rows, batch.pending_seq_ids
+        if pending == seq_ids and rows[-1] == len(rows) - 1:
+            # The steady state: the sequences the last step sampled, in its order, lead the
+            # step (rows are increasing, so the last one places them all): no copy, no gather.
+            return PendingInputs(self._leading_rows[: len(rows)], tokens)
         row_of = {seq_id: row for row, seq_id in enumerate(seq_ids)}
         sources = np.array([row_of[s] for s in batch.pending_seq_ids], dtype=np.int64)
         return PendingInputs(
