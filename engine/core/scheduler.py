@@ -587,10 +587,6 @@ class Scheduler:
                         if decision is not None:
                             self._stop(seq, decision.finish_reason, decision.stop_reason)
                             finish_reason = decision.finish_reason
-                    delta = SampleDelta(
-                        seq.index, [token_id], None if logprob is None else seq.cumulative_logprob,
-                        None if top is None else [top], finish_reason, seq.stop_reason,
-                    )  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                     self.fail(group, exc)
                     finished.append(group)
@@ -600,7 +596,13 @@ class Scheduler:
                 if group.final_only:  # a sample's finish carries all its tokens, nothing else
                     if finish_reason is None:
                         continue
-                    delta.new_token_ids = seq.output_token_ids
+                    new_token_ids = seq.output_token_ids
+                else:
+                    new_token_ids = [token_id]
+                delta = SampleDelta(
+                    seq.index, new_token_ids, None if logprob is None else seq.cumulative_logprob,
+                    None if top is None else [top], finish_reason, seq.stop_reason,
+                )  # fmt: skip
                 if len(group.seqs) == 1:  # one sample: its output is complete
                     if finish_reason is not None:
                         finished.append(group)
