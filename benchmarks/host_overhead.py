@@ -2,8 +2,9 @@
 
 Workload: a GPT-2 with near-zero compute (--layers 0 or 1, --hidden 16, --heads 1, a --vocab
 of 256 by default or GPT-2's 50257) with dummy weights; --batch-sizes requests of
---prompt-len random token ids each generate --output-len tokens (greedy, EOS ignored), all
-added to one `EngineCore` at once and stepped until done. Every engine step is timed, and
+--prompt-len random token ids each generate --output-len tokens (greedy, EOS ignored;
+--final-only: with outputs only at their end, as `LLM.generate` asks), all added to one
+`EngineCore` at once and stepped until done. Every engine step is timed, and
 inside it the phases, by wrapping the core's own objects for the run (nothing is changed
 in the engine for this):
 
@@ -48,7 +49,7 @@ from octavo.benchmarks.common import PhaseTimer, git_commit
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
-from octavo.engine.sampling_params import SamplingParams
+from octavo.engine.sampling_params import RequestOutputKind, SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16  # EngineConfig's default
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
+    parser.add_argument("--final-only", action="store_true",
+                        help="FINAL_ONLY requests, as LLM.generate makes them (outputs only "
+                        "when a request ends)")  # fmt: skip
     parser.add_argument("--before-root", type=Path, default=None,
                         help="an older Octavo checkout to measure too")  # fmt: skip
     parser.add_argument("--result-file", type=Path, default=None)
@@ -125,22 +129,27 @@ def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[st
     timer = PhaseTimer(core.device)
     instrument(core, timer)
     rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    kind = RequestOutputKind.FINAL_ONLY if args.final_only else RequestOutputKind.CUMULATIVE
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind=kind
+    )
     inputs = InputProcessor(None, core.limits)
     for i in range(batch):
         prompt = [rng.randrange(args.vocab - 1) for _ in range(args.prompt_len)]
         processed = ProcessedPrompt(None, prompt)
         core.add_request(inputs.core_request(str(i), processed, params, time.monotonic()))
     steps = []
+    scheduler = core.scheduler
     while core.has_unfinished_requests():
         timer.totals.clear()
         timer.sync()
+        sampled = scheduler.num_generation_tokens
         start = time.perf_counter()
-        outputs = core.step()
+        core.step()
         timer.sync()
         wall = time.perf_counter() - start
-        tokens = sum(len(s.new_token_ids) for o in outputs.outputs for s in o.samples)
-        if tokens != batch:
+        # Counted by the scheduler: a FINAL_ONLY request's tokens are in no step's outputs.
+        if scheduler.num_generation_tokens - sampled != batch:
             continue
         phases = {p: timer.totals.get(p, 0.0) for p in PHASES}
         phases["execute"] -= phases["forward"]
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.vocab}, dummy weights",
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
+            "final_only": args.final_only,
             "engine_args": json.loads(args.engine_args),
             "repeats": args.repeats,
         },
