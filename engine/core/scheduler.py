@@ -171,8 +171,9 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        """Unfinished sequences of the running groups; recounted only after a change other
-        than steady decoding (the stats of every step read it)."""
+        """Unfinished sequences of the running groups; recounted only after a change to
+        them (an admission, a fork, a finish, a preemption), not for a step's new blocks
+        (the stats of every step read it)."""
         if self._num_running_seqs is None:
             self._num_running_seqs = sum(g.num_unfinished_seqs for g in self.running)
         return self._num_running_seqs
@@ -231,7 +232,6 @@ class Scheduler:
                 budget -= len(seqs)
                 index += 1
                 continue
-            self._num_running_seqs = None  # a fork, a finish or a preemption may follow
             plan = self._plan(group, budget)
             while not self._fits(plan):
                 victim = self.running.pop()
@@ -501,6 +501,7 @@ class Scheduler:
         return PromptLogprobsSpan(first, end, num_top, targets)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        self._num_running_seqs = None
         children = []
         while group.needs_fork:
             index = len(group.seqs)
@@ -518,6 +519,7 @@ class Scheduler:
                 beam.num_computed_tokens = len(group.prompt_token_ids)
 
     def _preempt(self, group: SequenceGroup) -> None:
+        self._num_running_seqs = None
         for seq in group.unfinished_seqs:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
@@ -704,6 +706,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Ends a sampled sequence (a stop rule, an abort, a failure): frees its blocks and
         tells the worker to forget it."""
+        self._num_running_seqs = None
         seq.status = status
         self.block_manager.free(seq)
         if self._sample_rows.pop(seq.seq_id, None) is not None:

@@ -205,6 +205,18 @@ def test_the_cached_running_count_equals_a_recount_through_forks_preemption_and_
     assert not scheduler.has_unfinished() and preempted > 0
 
 
+def test_a_fork_at_the_end_of_a_chunked_prompt_is_counted_running():
+    """A prompt longer than the step's budget forks its n samples in a later step, while it
+    runs and nothing is admitted: the kept count sees the new samples."""
+    scheduler, bm = make_scheduler(num_blocks=20, block_size=4, budget=16, max_num_seqs=6)
+    add(scheduler, "r0", 22, n=3, max_tokens=4, seed=0)
+    counts = []
+    while scheduler.has_unfinished():
+        step(scheduler, bm)
+        counts.append(scheduler.num_running_seqs)
+    assert counts[:2] == [1, 3]  # the first chunk alone, then the prompt's end and its forks
+
+
 def test_a_prefill_interval_admits_at_most_every_n_steps_and_at_once_when_idle():
     """prefill_interval 3: a request arriving while another decodes waits until 3 steps have
     passed since the last admission (the steps between are decode-only); with nothing
