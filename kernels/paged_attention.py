@@ -131,7 +131,10 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# A mixed batch's tl.dot launch reads these from `num_decodes` rows in: their 16-byte
+# alignment changes with it, and Triton would compile a variant for each while serving.
+# They are read a scalar (or a few repeated block ids) at a time, so alignment buys nothing.
+@triton.jit(do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     qk_scale,

@@ -7,7 +7,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# A mixed batch stores from `num_decodes` rows in (paged_attention): slot_ptr's 16-byte
+# alignment changes with it, and a scalar load gains nothing from it, so Triton is told
+# not to compile a variant per alignment.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(
     key_ptr,
     value_ptr,

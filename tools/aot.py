@@ -196,7 +196,8 @@ def _attention_launches(
     scale = head_dim**-0.5
     # Mixed batch: one decode, then a 100-token chunk after 200 tokens of context; the
     # decode on the tl.dot path, then on the decode path (the chunk's launch then reads
-    # seq_lens and cu_seqlens_q from one element in: pointers no longer 16-byte aligned).
+    # seq_lens and cu_seqlens_q from one element in, which must compile to the variant the
+    # aligned launch compiles).
     query_lens, seq_lens = [1, 100], [WORKLOAD_CONTEXT, 300]
     for num_decodes in (0, 1):
         _store_and_attend(

@@ -96,6 +96,20 @@ def test_grouped_query_kernels_compile_in_every_dtype(variants):
         }, arch
 
 
+def test_launches_from_rows_in_compile_no_variant_of_their_own(variants):
+    """A mixed batch's tl.dot launch and its store_kv read the batch from `num_decodes` rows
+    in; the workload launches both at 0 and 1 rows in, and each compiles once: serving
+    never waits on a compile because a batch's decodes changed a pointer's alignment."""
+    for kernel in ("_prefill_kernel", "_store_kv_kernel"):
+        keys = [
+            (v["arch"], json.dumps(v["signature"], sort_keys=True),
+             json.dumps(v["constexprs"], sort_keys=True))
+            for v in variants
+            if v["kernel"] == kernel
+        ]  # fmt: skip
+        assert len(keys) == len(set(keys)), kernel
+
+
 def test_a_head_narrower_than_a_dot_compiles_padded_to_it(variants):
     """tl.dot refuses an inner dimension under 16 on the GPU (the interpreter does not): the
     prefill path pads a narrow head (8 here) with masked lanes, so it compiles."""
