@@ -441,16 +441,17 @@ def paged_attention(
         raise ValueError(f"num_decodes must be in [0, {num_seqs}) with longer queries")
     # The decodes' rows lead: one token each, so their tokens are rows [0, num_decodes).
     decode_rows, rest = slice(0, num_decodes), slice(num_decodes, None)
-    if new_kv is not None and num_decodes < num_seqs:
-        key, value, slot_mapping = (t[rest] for t in new_kv)
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
+    decode_kv = None
+    if new_kv is not None:
+        new_key, new_value, new_slots = new_kv
+        decode_kv = (new_key[decode_rows], new_value[decode_rows], new_slots[decode_rows])
+        if num_decodes < num_seqs:
+            store_kv(new_key[rest], new_value[rest], k_cache, v_cache, new_slots[rest])
     if num_decodes:
         _decode(
             q[decode_rows], k_cache, v_cache, block_tables[decode_rows], seq_lens[decode_rows],
             max_seqlen_k, out[decode_rows], scale, num_splits, decode or DEFAULT_DECODE_CONFIG,
-            None if new_kv is None else (
-                new_kv[0][decode_rows], new_kv[1][decode_rows], new_kv[2][decode_rows]
-            ),
+            decode_kv,
         )  # fmt: skip
     if num_decodes < num_seqs:
         # The tl.dot path over the other sequences: cu_seqlens_q's offsets stay those of

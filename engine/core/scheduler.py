@@ -138,7 +138,6 @@ class Scheduler:
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Finishes a request as aborted and frees its blocks at once; None if unknown."""
-        self._num_running_seqs = None
         for queue in (self.waiting, self.running):
             for group in queue:
                 if group.request_id == request_id:
@@ -152,7 +151,6 @@ class Scheduler:
         """Finishes sample `index` of a request (the front end matched one of its stop
         strings) and frees its blocks; the request's other samples go on. Returns the group
         if that was its last unfinished sample (it is then removed), else None."""
-        self._num_running_seqs = None
         for queue in (self.running, self.waiting):
             for group in queue:
                 if group.request_id != request_id:
@@ -645,7 +643,6 @@ class Scheduler:
             attach_prompt_logprobs(outputs, chunks, groups)
         if finished:
             self.running = [g for g in self.running if not g.is_finished]
-            self._num_running_seqs = None
             if any(g.is_finished for g in self.waiting):  # preempted, finished by a late token
                 self.waiting = deque(g for g in self.waiting if not g.is_finished)
         return update
@@ -688,7 +685,6 @@ class Scheduler:
         """Ends a request whose processing raised: its unfinished sequences finish with
         FINISHED_ERROR and free their blocks; `group.error` says why, for its client."""
         logger.error("request %s failed", group.request_id, exc_info=exc)
-        self._num_running_seqs = None
         group.error = f"{type(exc).__name__}: {exc}"
         for seq in group.unfinished_seqs:
             self._finish(seq, SequenceStatus.FINISHED_ERROR)
@@ -704,8 +700,9 @@ class Scheduler:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Ends a sampled sequence (a stop rule, an abort, a failure): frees its blocks and
-        tells the worker to forget it."""
+        """Ends a sampled sequence (a stop rule, an abort, a failure): frees its blocks,
+        tells the worker to forget it and has the running count recounted (every way a
+        sequence ends comes here)."""
         self._num_running_seqs = None
         seq.status = status
         self.block_manager.free(seq)
