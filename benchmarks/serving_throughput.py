@@ -165,8 +165,10 @@ def stack_samples(pid: int, out: Path | None) -> Iterator[None]:
         yield
         return
     out.parent.mkdir(parents=True, exist_ok=True)
+    # --idle: a waiting process is sampled too (where it waits), so a core that is idle
+    # most of a short run still shows up, and waiting can be told from working.
     command = [str(py_spy_executable()), "record", "--pid", str(pid), "--subprocesses",
-               "--nonblocking", "--format", "raw", "--rate", str(PY_SPY_RATE_HZ),
+               "--nonblocking", "--idle", "--format", "raw", "--rate", str(PY_SPY_RATE_HZ),
                "--output", str(out)]  # fmt: skip
     spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(PY_SPY_ATTACH_S)
