@@ -39,7 +39,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 import msgspec
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.common import git_commit, write_result
+from octavo.benchmarks.common import git_commit, length_range, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.core_process import CoreAddresses, connect_core_sockets
@@ -64,8 +64,8 @@ CPUCLOCK_SCHED = 2
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--prompt-len", type=serving_throughput.length_range, default=(16, 16))
-    parser.add_argument("--output-len", type=serving_throughput.length_range, default=(256, 256))
+    parser.add_argument("--prompt-len", type=length_range, default=(16, 16))
+    parser.add_argument("--output-len", type=length_range, default=(256, 256))
     parser.add_argument("--client-procs", type=int, default=1)
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="the stand-in core's least time per step (0: no pause)")  # fmt: skip

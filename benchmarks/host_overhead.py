@@ -2,11 +2,12 @@
 
 Workload: a GPT-2 with near-zero compute (--layers 0 or 1, --hidden 16, --heads 1, a --vocab
 of 256 by default or GPT-2's 50257) with dummy weights; --batch-sizes requests of
---prompt-len random token ids each generate --output-len tokens (greedy, EOS ignored;
---final-only: with outputs only at their end, as `LLM.generate` asks), all added to one
-`EngineCore` at once and stepped until done. Every engine step is timed, and
-inside it the phases, by wrapping the core's own objects for the run (nothing is changed
-in the engine for this):
+--prompt-len random token ids each (a length, or MIN-MAX to draw each request's: with
+varied lengths some sequence enters a new KV block on every step, as in serving) generate
+--output-len tokens (greedy, EOS ignored; --final-only: with outputs only at their end, as
+`LLM.generate` asks), all added to one `EngineCore` at once and stepped until done. Every
+engine step is timed, and inside it the phases, by wrapping the core's own objects for the
+run (nothing is changed in the engine for this):
 
   schedule   scheduler.schedule()          forward   runner.model forward + compute_logits
   execute    launching the step - forward  update    scheduler.update()
@@ -45,7 +46,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.common import PhaseTimer, git_commit
+from octavo.benchmarks.common import PhaseTimer, git_commit, length_range
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512])
-    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--prompt-len", type=length_range, default=(16, 16))
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -111,7 +112,7 @@ def write_model(folder: Path, args: argparse.Namespace) -> None:
 
 def max_model_len(args: argparse.Namespace) -> int:
     """The model's positions: every request's prompt and output, and a block to spare."""
-    return args.prompt_len + args.output_len + BLOCK_SIZE
+    return args.prompt_len[1] + args.output_len + BLOCK_SIZE
 
 
 def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -135,7 +136,8 @@ def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[st
     )
     inputs = InputProcessor(None, core.limits)
     for i in range(batch):
-        prompt = [rng.randrange(args.vocab - 1) for _ in range(args.prompt_len)]
+        prompt_len = rng.randint(*args.prompt_len)
+        prompt = [rng.randrange(args.vocab - 1) for _ in range(prompt_len)]
         processed = ProcessedPrompt(None, prompt)
         core.add_request(inputs.core_request(str(i), processed, params, time.monotonic()))
     steps = []

@@ -63,7 +63,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.common import REPO_ROOT, PhaseTimer, git_commit, write_result
+from octavo.benchmarks.common import REPO_ROOT, PhaseTimer, git_commit, length_range, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES
@@ -96,15 +96,6 @@ PRESETS = {
         "prompt_len": (16, 32), "output_len": (64, 128),
     },
 }  # fmt: skip
-
-
-def length_range(text: str) -> tuple[int, int]:
-    """A length, "N", or a range to draw each request's from, "MIN-MAX" (inclusive)."""
-    low, _, high = text.partition("-")
-    bounds = (int(low), int(high or low))
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX: {text}")
-    return bounds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
