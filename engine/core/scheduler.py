@@ -195,7 +195,7 @@ class Scheduler:
             seqs = group.seqs
             if len(seqs) == 1 and group.beam is None:
                 # The steady state, checked inline: one sample decoding into a block it holds
-                # alone needs no plan, allocation or copy.
+                # alone, or into a new one while a block is free, needs no plan or copy.
                 seq = seqs[0]
                 start = seq.num_computed_tokens
                 table = tables.get(seq.seq_id)
@@ -203,16 +203,25 @@ class Scheduler:
                     index += 1  # its pending token is its last: nothing more to compute
                     continue
                 tokens = seq.token_ids
+                block_index = start // block_size
                 if (
                     len(tokens) + seq.num_pending_tokens - start == 1
                     and table is not None
-                    and start // block_size < len(table)
-                    and ref_counts[table[start // block_size]] == 1
+                    and (
+                        block_index < len(table)
+                        and ref_counts[table[block_index]] == 1
+                        # A new block: with varied lengths, some sequence of a running
+                        # batch enters one on every step.
+                        or block_index == len(table)
+                        and bm.num_free_blocks > 0
+                    )
                     and group.num_sequences == 1  # no fork pending (group.needs_fork)
                     and not group.wants_prompt_logprobs
                 ):
                     # _schedule_seq's work for one token sampled from the sequence itself,
                     # inline: every running sequence passes here every step.
+                    if block_index == len(table):
+                        bm.append_slots(seq, 1)
                     sample_ids, entry = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
                     seq.num_computed_tokens = start + 1
                     seq.num_pending_tokens += 1

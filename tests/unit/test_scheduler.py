@@ -17,8 +17,11 @@ _tokens = itertools.count(10)
 MAX_MODEL_LEN = 64
 
 
-def make_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, prefill_interval=1):
-    bm = BlockManager(num_blocks, block_size)
+def make_scheduler(
+    num_blocks=16, block_size=4, budget=64, max_num_seqs=8, prefill_interval=1,
+    prefix_caching=False,
+):  # fmt: skip
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(max_num_seqs, budget, prefill_interval)
     scheduler = Scheduler(config, bm, StopChecker(EOS))
     return scheduler, bm
@@ -84,6 +87,23 @@ def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
     out = step(scheduler, bm)
     assert plan(out) == [("a", 1)]
     assert bm.get_block_table(seq) == [1, 2, 3, 4, 5, 6]  # position 20 opens a sixth block
+
+
+def test_a_decode_that_opens_a_block_takes_it_tells_the_worker_and_caches_the_full_one():
+    """A running sequence whose next token starts a new block gets it in that step, the
+    step's tables carry the new table to the worker, and with prefix caching the block the
+    previous tokens filled is registered then: a prompt of those tokens finds it."""
+    scheduler, bm = make_scheduler(num_blocks=8, block_size=4, prefix_caching=True)
+    group = add(scheduler, "a", 3, max_tokens=6)
+    seq = group.seqs[0]
+    step(scheduler, bm)  # the prompt, positions 0-2: one block
+    out = step(scheduler, bm)  # position 3 completes block 1
+    assert out.output.block_tables == {} and bm.get_block_table(seq) == [1]
+    out = step(scheduler, bm)  # position 4 opens a second block
+    assert plan(out) == [("a", 1)] and not out.preempted
+    assert out.output.block_tables == {seq.seq_id: [1, 2]}
+    probe = Sequence(scheduler.new_seq_id(), seq.token_ids[:4] + [99])
+    assert bm.cached_prefix(probe) == [1]
 
 
 def test_running_decodes_come_first_and_waiting_prompts_fill_the_rest():
