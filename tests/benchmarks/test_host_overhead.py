@@ -61,6 +61,7 @@ def test_host_overhead_measures_a_different_baseline_and_attributes_it(tmp_path)
     before = slower_checkout(tmp_path / "before")
     command = [sys.executable, "benchmarks/host_overhead.py",
                "--batch-sizes", *map(str, BATCHES), "--output-len", str(OUTPUT_LEN),
+               "--prompt-len", "3-9",
                "--repeats", "1", "--before-root", str(before),
                "--result-file", str(result_file)]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -68,6 +69,7 @@ def test_host_overhead_measures_a_different_baseline_and_attributes_it(tmp_path)
     result = json.loads(result_file.read_text())
     assert result["machine"]["cpus"] == os.cpu_count()
     assert result["workload"]["output_len"] == OUTPUT_LEN and result["workload"]["repeats"] == 1
+    assert result["workload"]["prompt_len"] == [3, 9]
     ours_name, before_name = f"octavo@{short_commit(ROOT)}", f"before@{short_commit(before)}"
     assert list(result["systems"]) == [ours_name, before_name]
     for batches in result["systems"].values():
