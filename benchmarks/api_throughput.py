@@ -39,7 +39,8 @@ except ImportError:  # run as a plain script: make the repository root importabl
 import msgspec
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.common import git_commit, length_range, write_result
+from octavo.benchmarks.common import length_range
+from octavo.benchmarks.provenance import git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.core_process import CoreAddresses, connect_core_sockets

@@ -86,7 +86,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
-from octavo.benchmarks import common
+from octavo.benchmarks import common, provenance
 from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult, safe_div
 from octavo.engine import LLM, BeamSearchParams
 from octavo.engine.config import DTYPES
@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'not evaluated' if met is None else 'met' if met else 'NOT met'}"
         )
     print(f"grid took {grid_s:.0f} s")
-    common.write_result(args.result_file, report)
+    provenance.write_result(args.result_file, report)
     return 0
 
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import json
-import os
-import platform
 import random
-import subprocess
 import tempfile
 import time
 import traceback
@@ -31,6 +26,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from octavo.benchmarks.provenance import header, host_info
 from octavo.engine import LLM, EngineConfig, LLMEngine
 from octavo.engine.config import DTYPES
 
@@ -49,7 +45,6 @@ SMOKE_PRESET = (2, 64, 2)
 # The GPU-first scripts (--preset) also take the smoke model by name.
 PRESETS_WITH_SMOKE = {**GPT2_PRESETS, "smoke": SMOKE_PRESET}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # The dummy model's architecture by config.json's model_type: GPT-2, or GPTBigCode with
 # multi-query attention (one K/V head) in the same shape.
 ARCHITECTURES = {
@@ -342,22 +337,10 @@ def safe_div(a: float | None, b: float | None) -> float | None:
 
 
 def machine_info(device: str) -> dict:
-    """CPU model (from lscpu), cores, threads, versions, and the GPU's name on CUDA."""
-    model_name = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-                break
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    """`host_info()` with torch's threads and versions, and the GPU's name on CUDA."""
     info = {
-        "cpu_model": model_name,
-        "cpu_count": os.cpu_count(),
+        **host_info(),
         "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": device,
@@ -367,46 +350,7 @@ def machine_info(device: str) -> dict:
     return info
 
 
-def git_commit(root: Path) -> str | None:
-    """The short commit of the checkout at `root`, or None outside git."""
-    try:
-        return subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def product_modified(root: Path) -> bool | None:
-    """Whether engine/ or kernels/ of the checkout differ from its HEAD (None outside git): a
-    result measured on uncommitted code says so."""
-    try:
-        status = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "engine", "kernels"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return bool(status.strip())
-
-
 def result_header(benchmark: str, device: str) -> dict:
     """The first keys of every offline benchmark's result: what ran, when, where, on which
     commit."""
-    return {
-        "benchmark": benchmark,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(device),
-        "commit": git_commit(REPO_ROOT),
-        "product_modified": product_modified(REPO_ROOT),
-    }
-
-
-def write_result(path: Path | None, result: dict) -> None:
-    """Writes the result JSON (nothing without a path) and says where."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    return header(benchmark, machine_info(device))

@@ -60,7 +60,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadM
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from octavo.benchmarks import common
+from octavo.benchmarks import common, provenance
 from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     if "greedy_match" in report:
         m = report["greedy_match"]
         print(f"greedy match vs {m['reference']}: {m['matched']}/{m['compared']}")
-    common.write_result(args.result_file, report)
+    provenance.write_result(args.result_file, report)
     return 0
 
 

@@ -36,7 +36,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks import common
+from octavo.benchmarks import common, provenance
 from octavo.benchmarks.common import random_tokens as tokens
 from octavo.engine import LLM, RequestOutput, SamplingParams
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ttft_p99_off/on']:.2f}x, throughput {r['throughput_on/off']:.2f}x; hit rate "
             f"{on[workload]['hit_rate']:.2f}"
         )
-    common.write_result(args.result_file, report)
+    provenance.write_result(args.result_file, report)
     return 0
 
 

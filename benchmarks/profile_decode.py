@@ -48,7 +48,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks import common
+from octavo.benchmarks import common, provenance
 from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth
 from octavo.engine import LLMEngine, RequestOutputKind, SamplingParams
 
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
         "rows": rows,
     }
-    common.write_result(args.result_file, result)
+    provenance.write_result(args.result_file, result)
     return 0
 
 

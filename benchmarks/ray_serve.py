@@ -46,7 +46,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import git_commit  # noqa: E402
+from octavo.benchmarks.provenance import git_commit  # noqa: E402
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server  # noqa: E402
 from octavo.server.ray_serve.messages import REPLICA_HEADER  # noqa: E402
 from octavo.server.server_args import DEFAULT_MODEL  # noqa: E402

@@ -63,7 +63,8 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.common import REPO_ROOT, PhaseTimer, git_commit, length_range, write_result
+from octavo.benchmarks.common import PhaseTimer, length_range
+from octavo.benchmarks.provenance import REPO_ROOT, git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.config import DTYPES

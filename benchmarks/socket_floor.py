@@ -35,14 +35,14 @@ import time
 from pathlib import Path
 
 try:
-    import octavo.engine  # noqa: F401
+    import octavo.benchmarks  # noqa: F401 -- not octavo.engine: nothing here needs torch
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import uvicorn
 import uvloop
 
-from octavo.benchmarks.common import result_header, write_result
+from octavo.benchmarks.provenance import header, host_info, write_result
 
 SERVER_CPU = 0
 MODES = ("write", "tasks", "asgi")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             runs[mode].append(measure(args, mode))
     result = {
-        **result_header("socket_floor", "cpu"),
+        **header("socket_floor", host_info()),
         "workload": {"streams": args.streams, "steps": args.steps, "step_ms": args.step_ms,
                      "event_bytes": len(EVENT)},
         "runs": runs,

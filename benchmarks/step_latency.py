@@ -32,7 +32,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks import common
+from octavo.benchmarks import common, provenance
 from octavo.engine import LLMEngine, SamplingParams
 from octavo.engine.config import DTYPES
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch1_under_1ms": bool(graph_batch1) and graph_batch1[0]["step_ms_median"] < 1.0,
         },
     }
-    common.write_result(args.result_file, result)
+    provenance.write_result(args.result_file, result)
     return 0
 
 

@@ -38,7 +38,8 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import uvloop
 
-from octavo.benchmarks.common import git_commit, machine_info, write_result
+from octavo.benchmarks.common import machine_info
+from octavo.benchmarks.provenance import git_commit, write_result
 from octavo.engine.core_messages import (
     EngineCoreOutput,
     EngineCoreOutputs,

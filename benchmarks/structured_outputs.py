@@ -38,7 +38,8 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.common import RESULTS_DIR, git_commit, machine_info
+from octavo.benchmarks.common import RESULTS_DIR, machine_info
+from octavo.benchmarks.provenance import git_commit
 from octavo.engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from octavo.engine.structured_outputs import _compile, compile_grammar
 from octavo.engine.worker.grammar import GrammarMatchers

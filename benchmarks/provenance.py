@@ -1,0 +1,78 @@
+"""Where a result came from, without torch: the machine, the commit, and the JSON file. The
+scripts that measure no model (socket_floor.py) import only this, so they start in a
+fraction of a second; common.py adds torch's versions for the rest."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def host_info() -> dict:
+    """CPU model (from lscpu), cores, platform and Python."""
+    model_name = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return {
+        "cpu_model": model_name,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def git_commit(root: Path) -> str | None:
+    """The short commit of the checkout at `root`, or None outside git."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def product_modified(root: Path) -> bool | None:
+    """Whether engine/ or kernels/ of the checkout differ from its HEAD (None outside git): a
+    result measured on uncommitted code says so."""
+    try:
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "engine", "kernels"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return bool(status.strip())
+
+
+def header(benchmark: str, machine: dict) -> dict:
+    """The first keys of every result: what ran, when, on which `machine`, at which commit
+    (and whether engine/ or kernels/ differed from it)."""
+    return {
+        "benchmark": benchmark,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine,
+        "commit": git_commit(REPO_ROOT),
+        "product_modified": product_modified(REPO_ROOT),
+    }
+
+
+def write_result(path: Path | None, result: dict) -> None:
+    """Writes the result JSON (nothing without a path) and says where."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
