@@ -1,5 +1,6 @@
 """What the benchmarks share: the dummy model and its flags, the workloads' random prompts,
-the engines, the HF peer, timing, and the result JSON with the machine and the commit."""
+the engines, the HF peer, timing, and the result header with torch's versions (provenance.py
+has the torch-free rest: the machine, the commit, writing the JSON)."""
 
 from __future__ import annotations
 
