@@ -441,13 +441,14 @@ def paged_attention(
         raise ValueError(f"num_decodes must be in [0, {num_seqs}) with longer queries")
     # The decodes' rows lead: one token each, so their tokens are rows [0, num_decodes).
     decode_rows, rest = slice(0, num_decodes), slice(num_decodes, None)
-    decode_kv = None
-    if new_kv is not None:
+    if new_kv is not None and num_decodes < num_seqs:
         new_key, new_value, new_slots = new_kv
-        decode_kv = (new_key[decode_rows], new_value[decode_rows], new_slots[decode_rows])
-        if num_decodes < num_seqs:
-            store_kv(new_key[rest], new_value[rest], k_cache, v_cache, new_slots[rest])
+        store_kv(new_key[rest], new_value[rest], k_cache, v_cache, new_slots[rest])
     if num_decodes:
+        decode_kv = None
+        if new_kv is not None:
+            new_key, new_value, new_slots = new_kv
+            decode_kv = (new_key[decode_rows], new_value[decode_rows], new_slots[decode_rows])
         _decode(
             q[decode_rows], k_cache, v_cache, block_tables[decode_rows], seq_lens[decode_rows],
             max_seqlen_k, out[decode_rows], scale, num_splits, decode or DEFAULT_DECODE_CONFIG,
