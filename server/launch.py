@@ -103,10 +103,11 @@ def build_server(
     from octavo.server.serving_engine import ServerConfig
 
     engine_config = args.engine
-    # Before the engine starts: a bad template ends the command with its message.
+    # Before the engine starts: a bad template or key ends the command with its message.
     chat_template = load_chat_template(
         args.chat_template, engine_config.model, engine_config.load_format
     )
+    api_key = _api_key(args.api_key)
     threads = model_threads(args)
     if shared_core is not None:
         torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
@@ -123,7 +124,7 @@ def build_server(
     config = ServerConfig(
         served_model_name=name,
         model_root=str(model),
-        api_key=_api_key(args.api_key),
+        api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),

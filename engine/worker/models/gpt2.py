@@ -327,6 +327,15 @@ class GPT2Block(nn.Module):
         return self.fused and x.shape[0] <= NORM_LINEAR_MAX_ROWS
 
 
+class LoadedEmbedding(nn.Embedding):
+    """An embedding whose weight the loader writes (weights.py), so it skips torch's random
+    init: on the meta device the model is built on, that init runs torch's Python reference
+    of `normal_`, which imports torch._dynamo, seconds of every engine start on CPU."""
+
+    def reset_parameters(self) -> None:
+        """Nothing to do: every weight is loaded (or drawn by the dummy loader)."""
+
+
 class GPT2LMHeadModel(nn.Module):
     """GPT-2 on a flat batch of tokens from many sequences.
 
@@ -346,8 +355,8 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, config: GPT2Config, backend: AttentionBackend):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.wte = LoadedEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = LoadedEmbedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(
             GPT2Block(config, i, backend, self.attention_class) for i in range(config.n_layer)
         )

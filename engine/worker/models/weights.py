@@ -86,18 +86,28 @@ def load_model(
 
     with torch.device("meta"):
         net = model_class(config)(config, backend)
-    net = net.to_empty(device=device)
+    _materialize(net, device)
     if load_format == "dummy":
         _init_dummy(net, seed)
     else:
         assert path is not None  # only dummy presets have no folder
         _load_safetensors(net, path, config)
     if config.tie_word_embeddings:
-        net.lm_head.weight = net.wte.weight  # to_empty re-creates parameters: tie again
+        net.lm_head.weight = net.wte.weight  # _materialize re-creates parameters: tie again
     net = net.to(dtype).eval()
     if device.type == "cuda":
         net.pad_lm_head(CUDA_LM_HEAD_ROW_MULTIPLE)
     return LoadedModel(net, config, eos)
+
+
+def _materialize(net: torch.nn.Module, device: torch.device) -> None:
+    """Replaces every meta parameter of `net` by an uninitialized one on `device`, for the
+    loader to fill. Not Module.to_empty: its empty_like of a meta tensor runs torch's Python
+    reference, which imports sympy, a second of every engine start on CPU."""
+    for module in net.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
 
 
 def _model_config(model: str, load_format: str) -> tuple[Path | None, GPT2Config]:
