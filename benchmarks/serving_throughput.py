@@ -10,7 +10,8 @@ streams of short prompts, one token per stream per step.
 
   1. offline  `LLM.generate` on all requests at once in this process (default torch threads).
   2. served   `octavo serve`, one run per --modes entry (MODES: the default server, streamed;
-              --inprocess-engine; unstreamed; --stream-interval 8; two API servers), all
+              --inprocess-engine; unstreamed; --stream-interval 8; two API servers; modes
+              with the same server flags, streamed and unstreamed, share a server), all
               requests sent at once (streams ask for `stream_options.include_usage`), read by
               --client-procs processes with a raw-socket client that parses nothing but the
               usage, so the client stays light. Each client process reports its CPU time: if
@@ -298,8 +299,10 @@ def run_served(
     requests: list[tuple[list[int], int]],
     args: argparse.Namespace,
     root: Path,
-    mode: str,
-) -> dict:
+    modes: list[str],
+) -> dict[str, dict]:
+    """Serves the workload in each of `modes`, which share their server flags, from one
+    `octavo serve` of checkout `root`; the median run of each mode."""
     port = free_port()
     flags = engine_flags(args)
     cmd = [sys.executable, "-m", "octavo", "serve", "--model", str(model)]
@@ -312,33 +315,34 @@ def run_served(
     if args.piecewise_cuda_graphs is not None:  # a flag older checkouts lack
         cmd += ["--piecewise-cuda-graphs" if args.piecewise_cuda_graphs
                 else "--no-piecewise-cuda-graphs"]  # fmt: skip
-    extra, stream = MODES[mode]
+    (extra,) = {tuple(MODES[mode][0]) for mode in modes}
     cmd += ["--max-num-waiting", str(max(1024, len(requests))), *extra, *args.server_args]
     # The checkout first; a PYTHONPATH already set (packages carried to a GPU machine) stays.
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     env.update(item.split("=", 1) for item in args.server_env)
+    results = {}
     with running_server(cmd, port, cwd=root, env=env) as server:
-        sent = bodies(requests, stream)
-        run_clients(port, sent)  # warm-up: the whole workload once, untimed
-        runs = []
-        for repeat in range(args.repeats):
-            before = process_tree_cpu(server.pid)
-            samples = None
-            if args.py_spy_dir is not None and repeat == 0:
-                prefix = "" if root == REPO_ROOT else "before_"
-                samples = args.py_spy_dir / f"{prefix}{mode}.txt"
-            with stack_samples(server.pid, samples):
-                run = run_clients(port, sent, args.client_procs)
-            after = process_tree_cpu(server.pid)
-            run["cpu_us_per_token"] = {
-                name: (seconds - before.get(name, 0.0)) / run["completion_tokens"] * 1e6
-                for name, seconds in after.items()
-            }
-            runs.append(run)
-        result = median_run(runs)
-    result["command"] = " ".join(cmd[1:])
-    return result
+        for mode in modes:
+            sent = bodies(requests, stream=MODES[mode][1])
+            run_clients(port, sent)  # warm-up: the whole workload once, untimed
+            runs = []
+            for repeat in range(args.repeats):
+                before = process_tree_cpu(server.pid)
+                samples = None
+                if args.py_spy_dir is not None and repeat == 0:
+                    prefix = "" if root == REPO_ROOT else "before_"
+                    samples = args.py_spy_dir / f"{prefix}{mode}.txt"
+                with stack_samples(server.pid, samples):
+                    run = run_clients(port, sent, args.client_procs)
+                after = process_tree_cpu(server.pid)
+                run["cpu_us_per_token"] = {
+                    name: (seconds - before.get(name, 0.0)) / run["completion_tokens"] * 1e6
+                    for name, seconds in after.items()
+                }
+                runs.append(run)
+            results[mode] = median_run(runs) | {"command": " ".join(cmd[1:])}
+    return results
 
 
 def process_tree_cpu(pid: int) -> dict[str, float]:
@@ -404,8 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.before_root is not None:
             before = f"before@{git_commit(args.before_root)}"
             runs += [(f"{before} {mode}", args.before_root, mode) for mode in args.before_modes]
+        # One server per checkout and set of server flags, in the order first asked for.
+        servers: dict[tuple[Path, tuple[str, ...]], list[str]] = {}
+        for _, root, mode in runs:
+            servers.setdefault((root, tuple(MODES[mode][0])), []).append(mode)
+        by_server = {
+            key: run_served(model, requests, args, key[0], modes) for key, modes in servers.items()
+        }
         for name, root, mode in runs:
-            served = run_served(model, requests, args, root, mode)
+            served = by_server[root, tuple(MODES[mode][0])][mode]
             served["kept_of_offline"] = served["tokens_per_s"] / offline
             result["served"][name] = served
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in served["cpu_us_per_token"].items())
