@@ -114,3 +114,13 @@ def test_socket_floor_sends_every_event_in_every_mode(tmp_path):
             assert one["events"] == 3 * 4 and one["cpu_s"] > 0, mode
             assert one["us_per_event"] == pytest.approx(one["cpu_s"] / 12 * 1e6), mode
     assert result["commit"] == short_commit()
+
+
+def test_startup_times_each_start_to_ready_and_to_a_completion(tmp_path):
+    result = run("startup.py", tmp_path / "t.json", "--runs", "1")
+    ((name, now),) = result["checkouts"].items()
+    assert name == f"now@{short_commit()}"
+    (only,) = now["runs"]
+    # The completion is answered by the server that was ready: it comes after.
+    assert 0 < only["ready_s"] < only["first_completion_s"]
+    assert now["median_ready_s"] == only["ready_s"]
