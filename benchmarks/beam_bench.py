@@ -89,7 +89,6 @@ from transformers.cache_utils import CacheLayerMixin
 from octavo.benchmarks import common, provenance
 from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult, safe_div
 from octavo.engine import LLM, BeamSearchParams
-from octavo.engine.config import DTYPES
 from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.worker.model_runner import ModelRunner
 
@@ -282,7 +281,7 @@ def bench_octavo(
         ),
     )
     per_block = ModelRunner.kv_bytes_per_block(
-        llm.engine.model_config, args.block_size, DTYPES[args.dtype]
+        llm.engine.model_config, args.block_size, getattr(torch, args.dtype)
     )
     preempt_before = llm.engine.stats().num_preemptions
 
@@ -389,7 +388,7 @@ def bench_hf(
             "shapes (see the docstring)."
         ),
     )
-    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     with observe_hf_reorders() as observed:
         outputs = timed(
             result,
@@ -565,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         run_octavo(llm, warmup, WARMUP_WIDTH, WARMUP_OUTPUT_LEN)
         hf_model = None
         if not args.skip_hf:
-            hf_model = common.load_hf_model(folder, args.device, DTYPES[args.dtype])
+            hf_model = common.load_hf_model(folder, args.device, getattr(torch, args.dtype))
             run_hf(
                 hf_model, warmup, WARMUP_WIDTH, WARMUP_OUTPUT_LEN, args.hf_batch_size, args.device
             )

@@ -63,7 +63,6 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from octavo.benchmarks import common, provenance
 from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult
 from octavo.engine import LLM, SamplingParams
-from octavo.engine.config import DTYPES
 
 HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)
 WARMUP_REQUESTS = 4
@@ -432,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         results["octavo"] = guarded("octavo", lambda: bench_octavo(args, folder, workload))
         hf_model = None
         if not (args.skip_hf_static and args.skip_hf_cb):
-            hf_model = common.load_hf_model(folder, args.device, DTYPES[args.dtype])
+            hf_model = common.load_hf_model(folder, args.device, getattr(torch, args.dtype))
         if not args.skip_hf_static:
             results["hf_static"] = guarded(
                 "hf_static", lambda: bench_hf_static(args, hf_model, workload)

@@ -34,7 +34,6 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 from octavo.benchmarks import common, provenance
 from octavo.engine import LLMEngine, SamplingParams
-from octavo.engine.config import DTYPES
 
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1
 KV_BLOCK_SIZE = 16  # the engine's default block size
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["cuda_graphs", "eager"] if args.device.startswith("cuda") else ["eager"]
     rows = []
     with common.dummy_checkpoint(args) as folder:
-        hf = common.load_hf_model(folder, args.device, DTYPES[args.dtype])
+        hf = common.load_hf_model(folder, args.device, getattr(torch, args.dtype))
         hf_ms = {batch: hf_ms_per_token(hf, args, batch) for batch in args.batches}
         del hf
         for mode in modes:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# The dtype names EngineConfig accepts.
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# The dtype names EngineConfig accepts, each a torch attribute (torch.float16). torch loads
+# only where a device or dtype is resolved: the `octavo` command parses its flags without it.
+DTYPES = ("float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # The default prefill_interval where decode steps replay CUDA graphs: the interval measured
@@ -153,10 +152,12 @@ class EngineConfig:
                 "triton (the default there) and no enforce_eager"
             )
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -203,6 +204,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """float32 on CPU and float16 on CUDA unless a dtype is named."""
+        import torch
+
         if self.dtype == "auto":
             return torch.float16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)

@@ -37,9 +37,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    server_args = ServerArgs.from_cli_args(args)  # a bad setting fails before torch loads
     from octavo.server.launch import launch_server
 
-    return launch_server(ServerArgs.from_cli_args(args))
+    return launch_server(server_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

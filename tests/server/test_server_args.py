@@ -5,6 +5,8 @@ it is frozen, hashable and picklable, as what crosses into API processes and Ray
 import argparse
 import dataclasses
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -130,3 +132,16 @@ def test_a_bad_serve_config_is_refused_naming_the_key(config, message):
 def test_a_setting_the_engine_refuses_is_status_2_with_its_message(capsys):
     assert main(["serve", "--max-num-seqs", "0"]) == 2
     assert capsys.readouterr().err == "octavo: error: max_num_seqs must be >= 1, got 0\n"
+
+
+def test_flags_parse_and_a_bad_setting_fails_without_loading_torch():
+    """`octavo serve --help` and a bad flag answer at once: torch (seconds to import) loads
+    only once a server starts. Run in a fresh interpreter, as the command runs."""
+    program = (
+        "import sys; from octavo.server.cli import main; "
+        "status = main(['serve', '--block-size', '3']); "
+        "print(status, 'torch' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
+    assert "block_size must be a power of two" in run.stderr

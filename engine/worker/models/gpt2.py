@@ -330,7 +330,8 @@ class GPT2Block(nn.Module):
 class LoadedEmbedding(nn.Embedding):
     """An embedding whose weight the loader writes (weights.py), so it skips torch's random
     init: on the meta device the model is built on, that init runs torch's Python reference
-    of `normal_`, which imports torch._dynamo, seconds of every engine start on CPU."""
+    of `normal_`, which imports torch._dynamo, a slow import no engine start needs
+    (benchmarks/README.md, "Startup")."""
 
     def reset_parameters(self) -> None:
         """Nothing to do: every weight is loaded (or drawn by the dummy loader)."""
