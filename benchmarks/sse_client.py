@@ -27,6 +27,8 @@ from contextlib import contextmanager
 START_DELAY_S = 1.0
 SERVER_STARTUP_TIMEOUT_S = 120
 SERVER_EXIT_TIMEOUT_S = 30
+# Seconds between /health requests while a server starts.
+HEALTH_POLL_S = 0.2
 
 
 def free_port() -> int:
@@ -36,9 +38,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(cmd: list[str], port: int, **popen: object) -> Iterator[subprocess.Popen]:
-    """Starts a server process, yields it once /health answers on `port`, and stops it
-    (SIGTERM, then kill) however the block ends."""
+def running_server(
+    cmd: list[str], port: int, poll_s: float = HEALTH_POLL_S, **popen: object
+) -> Iterator[subprocess.Popen]:
+    """Starts a server process, yields it once /health answers on `port` (asked every
+    `poll_s`), and stops it (SIGTERM, then kill) however the block ends."""
     server = subprocess.Popen(cmd, **popen)  # type: ignore[call-overload]
     try:
         deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
@@ -51,7 +55,7 @@ def running_server(cmd: list[str], port: int, **popen: object) -> Iterator[subpr
             except OSError:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the server did not start") from None
-                time.sleep(0.2)
+                time.sleep(poll_s)
         yield server
     finally:
         server.send_signal(signal.SIGTERM)

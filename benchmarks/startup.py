@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks.provenance import REPO_ROOT, git_commit, header, host_info, write_result
-from octavo.benchmarks.sse_client import SERVER_EXIT_TIMEOUT_S, SERVER_STARTUP_TIMEOUT_S, free_port
+from octavo.benchmarks.sse_client import SERVER_STARTUP_TIMEOUT_S, free_port, running_server
 
 # server_args.DEFAULT_MODEL, named here without importing the engine (and torch).
 DEFAULT_MODEL = REPO_ROOT / "server" / "default_model"
@@ -68,31 +67,17 @@ def start_once(root: Path, cmd: list[str], port: int, poll_s: float) -> dict:
     """One start of `cmd` from checkout `root`: seconds to /health, then to one completion."""
     env = dict(os.environ, PYTHONPATH=str(root))
     body = json.dumps({"model": "bench", "prompt": "The", "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     began = time.perf_counter()
-    server = subprocess.Popen(cmd, cwd=root, env=env)
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except OSError:
-                if time.perf_counter() - began > SERVER_STARTUP_TIMEOUT_S:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(poll_s)
+    with running_server(cmd, port, poll_s, cwd=root, env=env):
         ready = time.perf_counter() - began
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
         with urllib.request.urlopen(request, timeout=SERVER_STARTUP_TIMEOUT_S) as response:
             json.load(response)
         first = time.perf_counter() - began
-    finally:
-        server.terminate()
-        server.wait(SERVER_EXIT_TIMEOUT_S)
     return {"ready_s": ready, "first_completion_s": first}
 
 

@@ -139,6 +139,8 @@ class EngineCore:
         self._num_requests_added = 0
         # Async scheduling: the step launched last, applied after the next one is launched.
         self._in_flight: tuple[ScheduledStep, StepFuture] | None = None
+        # Resolved once: the config is frozen, and resolving it per step would ask torch.
+        self._schedules_ahead = config.schedules_ahead
         # Requests that need every token on the host before their next step is scheduled
         # (beam search, penalties and bad words, which read the output so far; prompt
         # logprobs, read on the host as they are computed; structured outputs, whose next
@@ -276,7 +278,7 @@ class EngineCore:
         `async_scheduling` the one launched before (scheduled one step ahead, its tokens fed
         to this step on the device). Returns the outputs of requests that progressed."""
         outputs: list[EngineCoreOutput] = []
-        lag = self.config.schedules_ahead and not self._sync_only
+        lag = self._schedules_ahead and not self._sync_only
         if self._in_flight is not None and not lag:  # a beam search or penalties came in
             outputs += self._apply_step(*self._in_flight)
             self._in_flight = None
