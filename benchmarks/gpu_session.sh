@@ -15,8 +15,8 @@
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh fusions OUT_DIR
-#       # kernel_bench (norm_linear against what it replaces), then `compare` at batches
-#       # 1, 8, 16, 64 and 256
+#       # kernel_bench here and in BEFORE_ROOT, then `compare` at batches 1, 8, 16, 64
+#       # and 256
 #
 # The GPU machine lacks packages the engine imports (llguidance, msgspec, pyzmq: every stage
 # needs them) and the server's: `bash benchmarks/gpu_wheels.sh` fetches them here as wheels
@@ -86,12 +86,22 @@ PY
     wait "$server"
 }
 
+gpu_tests() {  # gpu_tests NAME PYTEST_ARGS...: the GPU-marked tests under the arguments,
+    # eight workers at once, then those marked gpu_memory one at a time (under eight workers
+    # they run out of memory or size their cache from what the others left)
+    local name=$1
+    shift
+    step "$name" "$python" -m pytest -v -n 8 -m "gpu and not gpu_memory" "$@" \
+        -p no:cacheprovider --timeout 300
+    step "${name}_memory" "$python" -m pytest -v -m "gpu and gpu_memory" "$@" \
+        -p no:cacheprovider --timeout 300
+}
+
 case $stage in
 tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
-    step gpu_tests "$python" -m pytest -v -n 8 -m gpu tests/kernels tests/engine tests/model \
-        -p no:cacheprovider --timeout 300
+    gpu_tests gpu_tests tests/kernels tests/engine tests/model
     # The CPU engine and model suites as they are, every engine moved to CUDA (float32 kept):
     # GPT-2 variants and GPTBigCode (multi-query kernels), CUDA graphs,
     # pinned copies and one-step-ahead scheduling against the same HF oracle.
@@ -219,18 +229,13 @@ compare)
             "$before/benchmarks/profile_decode.py" "${profile[@]}" \
             --result-file "$out/profile_before_$round.json"
         if [[ $round -eq 1 ]]; then
-            step gpu_tests "$python" -m pytest -v -n 8 -m gpu tests/kernels tests/engine \
-                tests/model -p no:cacheprovider --timeout 300
+            gpu_tests gpu_tests tests/kernels tests/engine tests/model
         fi
     done
     ;;
 fusions)
-    # Launches fewer per layer at small batches (the decode kernel storing the step's K/V,
-    # norm_linear): the kernel first, against add_layer_norm and the library's product;
-    # then the step, against the checkout before them, at the batches norm_linear covers
-    # (up to 16 rows) and beyond.
-    # kernel_bench's decode rows time the decode kernel alone (its table reads now overlap
-    # the cache reads): the tree before is timed too.
+    # A kernel change measured twice: kernel_bench in this tree and in the checkout before
+    # it, then the decode step against that checkout at small batches and large ones.
     before=${BEFORE_ROOT:?fusions needs BEFORE_ROOT, the checkout to measure against}
     step kernel_bench "$python" benchmarks/kernel_bench.py --result-file "$out/kernel_bench.json"
     step kernel_bench_before env PYTHONPATH="$before:$PYTHONPATH" "$python" \

@@ -11,12 +11,6 @@ overhead), rotating over enough input sets that K/V come from device memory, not
 --sweep also times every decode launch config x split factor over a grid of batch x
 context, and prefill tile configs, to pick the heuristics from.
 
-norm_linear (a residual add, its LayerNorm and c_attn's or c_fc's product in one launch)
-is timed against what it replaces, add_layer_norm and then the library's product (c_fc's
-with the GELU in cuBLASLt's epilogue, as the model runs it), and few_rows_linear (the two
-c_proj) against F.linear, at 1-16 rows and GPT-2 small's and xl's widths, over enough
-weight sets that they come from device memory.
-
 Goals: decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
 prefill >= 80% of SDPA's TFLOP/s.
 
@@ -58,9 +52,6 @@ except ImportError:  # run as a plain script on a machine without the package in
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
-from octavo.kernels.layer_norm import add_layer_norm  # noqa: E402
-from octavo.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS  # noqa: E402
-from octavo.kernels.norm_linear import few_rows_linear, norm_linear  # noqa: E402
 from octavo.kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
@@ -70,7 +61,6 @@ from octavo.kernels.paged_attention import (  # noqa: E402
 )
 
 HEAD_DIM, BLOCK_SIZE = 64, 16
-LAYER_NORM_EPS = 1e-5  # GPT-2's
 # Rows that the decode goal applies to.
 GOAL_MIN_BATCH, GOAL_MIN_CONTEXT = 64, 512
 DECODE_GOAL, PREFILL_GOAL = 0.7, 0.8
@@ -99,8 +89,6 @@ class Shapes:
     decode_candidates: tuple[DecodeConfig, ...]
     decode_split_candidates: tuple[int, ...]
     prefill_candidates: tuple[PrefillConfig, ...]
-    norm_linear_widths: tuple[int, ...]
-    norm_linear_rows: tuple[int, ...]
 
 
 FULL = Shapes(
@@ -130,8 +118,6 @@ FULL = Shapes(
         )
         for num_stages in (2, 3)
     ),  # fmt: skip
-    norm_linear_widths=(768, 1600),
-    norm_linear_rows=(1, 4, 16),
 )
 SMOKE = Shapes(
     heads=2,
@@ -145,8 +131,6 @@ SMOKE = Shapes(
     decode_candidates=(DecodeConfig(16, num_warps=2), DecodeConfig(32)),
     decode_split_candidates=(1,),
     prefill_candidates=(PrefillConfig(16, 16), PrefillConfig(16, 32, num_stages=2)),
-    norm_linear_widths=(32,),
-    norm_linear_rows=(1, 4),
 )
 
 
@@ -264,63 +248,6 @@ def bench_decode(shapes: Shapes, device: torch.device, copy_bw: float) -> list[d
     return rows
 
 
-def unfused_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, gelu):
-    """What norm_linear replaces in the model: add_layer_norm, then the product."""
-    normed, total = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
-    if gelu and normed.is_cuda:
-        return torch._addmm_activation(bias, normed, weight.t(), use_gelu=True), total
-    out = F.linear(normed, weight, bias)
-    return (F.gelu(out, approximate="tanh") if gelu else out), total
-
-
-def bench_norm_linear(shapes: Shapes, device: torch.device) -> list[dict]:
-    """A small step's four products per layer on norm_linear's kernel against the model's
-    other path: c_attn and c_fc with the norm (against add_layer_norm and the library's
-    product), the two c_proj alone (against F.linear)."""
-    rows = []
-    dtype = shapes.dtype
-    layers = (
-        ("c_attn", 1, 3, True, False), ("c_fc", 1, 4, True, True),
-        ("c_proj", 1, 1, False, False), ("mlp_c_proj", 4, 1, False, False),
-    )  # fmt: skip
-    for width in shapes.norm_linear_widths:
-        for layer, in_mult, out_mult, norm, gelu in layers:
-            in_width, out_width = in_mult * width, out_mult * width
-            count = num_input_sets(device, out_width * in_width * dtype.itemsize)
-            sets = [
-                (
-                    torch.randn((NORM_LINEAR_MAX_ROWS, in_width), dtype=dtype, device=device),
-                    torch.randn((NORM_LINEAR_MAX_ROWS, in_width), dtype=dtype, device=device),
-                    torch.randn(in_width, dtype=dtype, device=device),
-                    torch.randn(in_width, dtype=dtype, device=device),
-                    LAYER_NORM_EPS,
-                    torch.randn((out_width, in_width), dtype=dtype, device=device) * in_width**-0.5,
-                    torch.randn(out_width, dtype=dtype, device=device),
-                )
-                for _ in range(count)
-            ]
-            for num_rows in shapes.norm_linear_rows:
-                cut = [(x[:num_rows], r[:num_rows], *rest) for x, r, *rest in sets]
-                if norm:
-                    fused_calls = [partial(norm_linear, *a, gelu=gelu) for a in cut]
-                    other = [partial(unfused_norm_linear, *a, gelu) for a in cut]
-                else:
-                    fused_calls = [partial(few_rows_linear, a[0], a[5], a[6]) for a in cut]
-                    other = [partial(F.linear, a[0], a[5], a[6]) for a in cut]
-                fused, unfused = time_ms(fused_calls, device), time_ms(other, device)
-                rows.append({
-                    "layer": layer, "width": in_width, "out_width": out_width, "rows": num_rows,
-                    "fused_ms": fused, "unfused_ms": unfused, "speedup": unfused / fused,
-                })  # fmt: skip
-                print(
-                    f"norm_linear {layer} {in_width}x{out_width} rows={num_rows:2d}: "
-                    f"{fused * 1e3:7.1f} us, the model's other path {unfused * 1e3:7.1f} us "
-                    f"({unfused / fused:.2f}x)"
-                )
-            del sets
-    return rows
-
-
 def bench_prefill(shapes: Shapes, device: torch.device) -> list[dict]:
     rows = []
     heads, scale = shapes.heads, HEAD_DIM**-0.5
@@ -432,7 +359,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
     decode = bench_decode(shapes, device, copy_bw)
     prefill = bench_prefill(shapes, device)
-    norm_linear_rows = bench_norm_linear(shapes, device)
     sweep = bench_sweep(shapes, device, copy_bw) if args.sweep else None
     goal_rows = [
         r for r in decode if r["batch"] >= GOAL_MIN_BATCH and r["context"] >= GOAL_MIN_CONTEXT
@@ -456,7 +382,6 @@ def main(argv: list[str] | None = None) -> None:
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "decode": decode,
         "prefill": prefill,
-        "norm_linear": norm_linear_rows,
         "sweep": sweep,
         "goals": {
             "decode_min_fraction_of_copy_bw": min(

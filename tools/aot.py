@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from unittest import mock
 
 import torch
 import triton
@@ -40,7 +39,6 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from octavo.engine.worker.models.gpt2 import GPT2Config
 from octavo.kernels import copy_blocks as copy_blocks_module
 from octavo.kernels import layer_norm as layer_norm_module
-from octavo.kernels import norm_linear as norm_linear_module
 from octavo.kernels import paged_attention as paged_attention_module
 from octavo.kernels import store_kv as store_kv_module
 
@@ -49,7 +47,6 @@ KERNEL_MODULES: tuple[ModuleType, ...] = (
     paged_attention_module,
     copy_blocks_module,
     layer_norm_module,
-    norm_linear_module,
 )
 
 # Shared memory one block may use (opt-in maximum), bytes, per compute capability.
@@ -77,9 +74,6 @@ WORKLOAD_CONTEXT = 1024
 # Decode split factors to cover: one per reduce-kernel width (SPLITS = next power of two).
 WORKLOAD_SPLITS = (1, 2, 4, 8, paged_attention_module.MAX_SPLITS)
 WORKLOAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The SM counts norm_linear is recorded at: its column tile follows the device's SMs (one
-# here; 132 on an H100 or H200, where GPT-2's widths take tiles of 16 and 32 columns).
-NORM_LINEAR_SMS = (1, 132)
 # A cache whose per-layer plane passes 2**31 elements: Triton then passes the plane stride
 # as i64, a variant of its own.
 LARGE_CACHE_BLOCKS = 2**31 // (WORKLOAD_BLOCK_SIZE * GPT2_HEAD_COUNTS[0] * GPT2_HEAD_DIM) + 1
@@ -169,7 +163,6 @@ def gpt2_workload() -> list[KernelLaunch]:
             for num_heads in GPT2_HEAD_COUNTS:
                 _attention_launches(num_heads, num_heads, dtype)
                 _layer_norm_launch(num_heads * GPT2_HEAD_DIM, dtype)
-                _norm_linear_launches(num_heads * GPT2_HEAD_DIM, dtype)
             _attention_launches(MULTI_QUERY_HEADS, 1, dtype)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=8)
             _copy_launch(GPT2_HEAD_COUNTS[0], dtype, num_blocks=LARGE_CACHE_BLOCKS)
@@ -259,25 +252,6 @@ def _layer_norm_launch(width: int, dtype: torch.dtype) -> None:
     hidden = torch.zeros((WORKLOAD_ROWS, width), dtype=dtype)
     weight = torch.ones(width, dtype=dtype)
     layer_norm_module.add_layer_norm(hidden, hidden, weight, weight, GPT2Config.layer_norm_epsilon)
-
-
-def _norm_linear_launches(width: int, dtype: torch.dtype) -> None:
-    """A small step's layer on norm_linear's kernel: the norm into c_attn ([3C, C]) and into
-    c_fc with the GELU ([4C, C]), then c_proj ([C, C]) and the MLP's ([C, 4C]) alone."""
-    rows = torch.zeros((norm_linear_module.MAX_ROWS, 4 * width), dtype=dtype)
-    norm = torch.ones(width, dtype=dtype)
-    for sms in NORM_LINEAR_SMS:
-        with mock.patch.object(norm_linear_module, "num_sms", lambda _device, n=sms: n):
-            for out_width, gelu in ((3 * width, False), (4 * width, True)):
-                weight = torch.zeros((out_width, width), dtype=dtype)
-                bias = torch.zeros(out_width, dtype=dtype)
-                norm_linear_module.norm_linear(
-                    rows[:, :width], rows[:, :width], norm, norm,
-                    GPT2Config.layer_norm_epsilon, weight, bias, gelu=gelu,
-                )  # fmt: skip
-            for in_width in (width, 4 * width):
-                weight = torch.zeros((width, in_width), dtype=dtype)
-                norm_linear_module.few_rows_linear(rows[:, :in_width], weight, norm)
 
 
 def _copy_launch(num_heads: int, dtype: torch.dtype, num_blocks: int) -> None:

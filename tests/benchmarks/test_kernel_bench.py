@@ -40,11 +40,6 @@ def test_kernel_bench_smoke_writes_its_result(tmp_path):
         speed = row["sdpa_ms"] / row["ours_ms"]
         assert row["ours_tflops"] / row["sdpa_tflops"] == pytest.approx(speed, rel=1e-9)
         assert row["fraction_of_sdpa"] == pytest.approx(speed, rel=1e-9)
-    assert [(r["layer"], r["rows"]) for r in result["norm_linear"]] == [
-        (layer, rows) for layer in ("c_attn", "c_fc", "c_proj", "mlp_c_proj") for rows in (1, 4)
-    ]
-    for row in result["norm_linear"]:
-        assert row["speedup"] == pytest.approx(row["unfused_ms"] / row["fused_ms"], rel=1e-9)
     sweep = result["sweep"]
     assert len(sweep["decode"]) == len(sweep["prefill"]) == 2
     assert all(r["ms"] > 0 and "error" not in r for r in sweep["decode"] + sweep["prefill"])

@@ -56,6 +56,7 @@ def test_piecewise_graphs_on_gpu_equal_hf(tiny_model_dir, hf_tiny, async_schedul
     assert_hf_greedy(hf_tiny, prompts, params, llm.generate(prompts, params, use_tqdm=False))
 
 
+@pytest.mark.gpu_memory
 def test_half_precision_runs_and_sizes_the_cache_from_memory(tiny_model_dir):
     """Each half dtype in turn, in one test: the budget is a share of the whole device, so two
     engines taking half of it each (two test workers at once) cannot both start."""

@@ -123,6 +123,7 @@ def test_paged_attention_head_dims_below_the_mma_minimum(head_dim, shape):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_store_and_copy_real_sizes(dtype):
     heads, num_blocks = 25, 2**31 // (BLOCK_SIZE * 25 * HEAD_DIM) + 64

@@ -14,8 +14,6 @@ from torch import nn
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
-from octavo.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS
-from octavo.kernels.norm_linear import few_rows_linear, norm_linear
 
 # QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
 # approximates the normal CDF (Hendrycks & Gimpel, the GELU paper), as in HF's quick_gelu.
@@ -277,7 +275,6 @@ class GPT2Block(nn.Module):
         self.attn = attention(config, layer, backend)
         self.ln_2 = AddLayerNorm(config.n_embd, eps, fused)
         self.mlp = GPT2MLP(config)
-        self.fused = fused
 
     def forward(
         self,
@@ -297,11 +294,6 @@ class GPT2Block(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's work before attention, row by row: (c_attn's output, the residual)."""
-        if self._norm_linear_fits(x):
-            ln, c_attn = self.ln_1, self.attn.c_attn
-            return norm_linear(
-                x, residual, ln.weight, ln.bias, ln.eps, c_attn.weight, c_attn.bias
-            )  # fmt: skip
         normed, residual = self.ln_1(x, residual)
         return self.attn.c_attn(normed), residual
 
@@ -310,21 +302,8 @@ class GPT2Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's work after attention, row by row: (the MLP's output, the residual it
         is to be added to)."""
-        if not (self.mlp.tanh_gelu and self._norm_linear_fits(attended)):
-            normed, residual = self.ln_2(self.attn.c_proj(attended), residual)
-            return self.mlp(normed), residual
-        c_proj, ln, mlp = self.attn.c_proj, self.ln_2, self.mlp
-        x = few_rows_linear(attended, c_proj.weight, c_proj.bias)
-        hidden, residual = norm_linear(
-            x, residual, ln.weight, ln.bias, ln.eps, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True
-        )
-        return few_rows_linear(hidden, mlp.c_proj.weight, mlp.c_proj.bias), residual
-
-    def _norm_linear_fits(self, x: torch.Tensor) -> bool:
-        """Whether the block's products run on norm_linear's kernel (each LayerNorm with the
-        product after it, the two c_proj alone): on the Triton kernels, for a step of few
-        rows (a small decode batch's)."""
-        return self.fused and x.shape[0] <= NORM_LINEAR_MAX_ROWS
+        normed, residual = self.ln_2(self.attn.c_proj(attended), residual)
+        return self.mlp(normed), residual
 
 
 class LoadedEmbedding(nn.Embedding):
