@@ -155,6 +155,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
 
     @property
+    def device_type(self) -> str:
+        """ "cpu", "cuda", ...: from `device` as written, so that a process that runs no model
+        (an API process) learns it without importing torch; only "auto" asks torch."""
+        if self.device == "auto":
+            return self.torch_device.type
+        return self.device.partition(":")[0]
+
+    @property
     def torch_device(self) -> torch.device:
         import torch
 
@@ -166,16 +174,14 @@ class EngineConfig:
     def schedules_ahead(self) -> bool:
         """Whether steps are scheduled one ahead: `async_scheduling`, or by device if unset."""
         if self.async_scheduling is None:
-            return self.torch_device.type == "cuda"
+            return self.device_type == "cuda"
         return self.async_scheduling
 
     @property
     def uses_cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs: Triton attention on CUDA, not eager."""
         return (
-            self.torch_device.type == "cuda"
-            and self.backend_name == "triton"
-            and not self.enforce_eager
+            self.device_type == "cuda" and self.backend_name == "triton" and not self.enforce_eager
         )
 
     @property
@@ -198,7 +204,7 @@ class EngineConfig:
     def backend_name(self) -> str:
         """ "triton" on CUDA and "torch" elsewhere, unless one is named."""
         if self.attention_backend == "auto":
-            return "triton" if self.torch_device.type == "cuda" else "torch"
+            return "triton" if self.device_type == "cuda" else "torch"
         return self.attention_backend
 
     @property

@@ -15,7 +15,7 @@ import jinja2.sandbox
 
 from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.tokenizer import load_tokenizer
-from octavo.engine.worker.models.weights import (
+from octavo.engine.worker.models.model_files import (
     DUMMY_PRESETS,
     load_model_config,
     resolve_model_path,

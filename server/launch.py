@@ -11,7 +11,6 @@ import signal
 import socket
 from pathlib import Path
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -19,7 +18,7 @@ from octavo.engine.config import EngineConfig
 from octavo.engine.frontend.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.frontend.core_client import SharedCore
 from octavo.engine.heap import freeze_startup_heap
-from octavo.engine.worker.models.weights import load_model_config
+from octavo.engine.worker.models.model_files import load_model_config
 from octavo.server.graceful_server import GracefulServer
 from octavo.server.http_guards import LOOPBACK_HOSTS, http_with_header_timeout
 from octavo.server.server_args import (
@@ -109,15 +108,16 @@ def build_server(
     )
     api_key = _api_key(args.api_key)
     threads = model_threads(args)
+    # An API process runs no model and imports no torch; only an engine core does.
     if shared_core is not None:
-        torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
         engine = AsyncEngine.sharing(engine_config, args.max_num_waiting, shared_core)
     elif args.inprocess_engine:
         if threads is not None:
+            import torch
+
             torch.set_num_threads(threads)
         engine = AsyncEngine.in_process(engine_config, args.max_num_waiting)
     else:
-        torch.set_num_threads(1)  # this process runs no model: its torch work is tiny
         engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, threads)
     model = engine_config.model
     name = args.served_model_name or (DEFAULT_MODEL_NAME if Path(model) == DEFAULT_MODEL else model)
@@ -141,7 +141,7 @@ def default_api_server_count(config: EngineConfig) -> int:
     streams a fraction of a GPU engine's tokens at one token per event (benchmarks/README,
     "Streaming at the engine's speed"); so as many as the cores allow beside the core's and
     one for the system, up to MAX_DEFAULT_API_SERVERS."""
-    if config.torch_device.type != "cuda":
+    if config.device_type != "cuda":
         return 1
     cores = os.cpu_count() or 1
     return max(1, min(MAX_DEFAULT_API_SERVERS, cores - 2))
@@ -150,7 +150,7 @@ def default_api_server_count(config: EngineConfig) -> int:
 def model_threads(args: ServerArgs) -> int | None:
     """The engine core's torch threads: --torch-threads, else `default_model_threads` on
     CPU; None on CUDA (the device runs the model)."""
-    if args.engine.torch_device.type != "cpu":
+    if args.engine.device_type != "cpu":
         return None
     return args.torch_threads or default_model_threads(args.engine)
 

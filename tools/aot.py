@@ -36,7 +36,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from octavo.engine.worker.models.gpt2 import GPT2Config
+from octavo.engine.worker.models.configs import GPT2Config
 from octavo.kernels import copy_blocks as copy_blocks_module
 from octavo.kernels import layer_norm as layer_norm_module
 from octavo.kernels import paged_attention as paged_attention_module

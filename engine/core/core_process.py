@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import torch
 import zmq
 
 from octavo.engine.config import EngineConfig
-from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.core_messages import (
     CoreMessage,
     EngineCoreFailed,
@@ -80,6 +78,12 @@ def run_engine_core(
 ) -> None:
     """The process's entry point (a spawn target); exits 0 on shutdown, 1 on a failure
     (reported as EngineCoreFailed first). SIGTERM and SIGINT are ignored (module docstring)."""
+    # Here, not at the top: the API processes import this module (its addresses, and this
+    # function as their spawn target) and must not pay for loading torch.
+    import torch
+
+    from octavo.engine.core.engine_core import EngineCore
+
     for signum in SERVER_STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(

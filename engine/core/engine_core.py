@@ -38,7 +38,8 @@ from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.model_runner import ModelRunner, StepFuture, profile_activation_bytes
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
-from octavo.engine.worker.models.weights import load_model, tokenizer_file
+from octavo.engine.worker.models.model_files import tokenizer_file
+from octavo.engine.worker.models.weights import load_model
 from octavo.engine.worker.sampler import Sampler
 
 _GIB = 1 << 30

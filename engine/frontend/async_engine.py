@@ -9,7 +9,6 @@ import math
 from collections.abc import AsyncIterator, Callable
 
 from octavo.engine.config import EngineConfig
-from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs, EngineStats
 from octavo.engine.frontend.core_client import (
     EngineCoreClient,
@@ -154,6 +153,9 @@ class AsyncEngine:
     @classmethod
     def in_process(cls, config: EngineConfig, max_num_waiting: int) -> AsyncEngine:
         """The core in a thread of this process (`client.core` is reachable)."""
+        # Here, not at the top: a process whose core runs elsewhere never loads torch.
+        from octavo.engine.core.engine_core import EngineCore
+
         client = InprocessCoreClient(EngineCore(config))
         tokenizer = load_tokenizer(config.model, config.load_format)
         return cls(client, tokenizer, max_num_waiting, config.stream_interval)

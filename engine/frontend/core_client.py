@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.core_process import CoreAddresses, run_engine_core
-from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.core_messages import (
     CoreMessage,
     EngineCoreFailed,
@@ -40,6 +40,9 @@ from octavo.engine.core_messages import (
     EngineStats,
     ModelLimits,
 )
+
+if TYPE_CHECKING:
+    from octavo.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.frontend.tokenizer import load_tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.worker.model_runner import ModelRunner
-from octavo.engine.worker.models.gpt2 import GPT2Config
+from octavo.engine.worker.models.configs import GPT2Config
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedPrompt"]
 

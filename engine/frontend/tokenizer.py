@@ -8,7 +8,7 @@ from pathlib import Path
 import tokenizers
 import tokenizers.decoders
 
-from octavo.engine.worker.models.weights import tokenizer_file
+from octavo.engine.worker.models.model_files import tokenizer_file
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -22,7 +22,8 @@ from octavo import kernels
 from octavo.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from octavo.engine.worker.attention.backend import AttentionMetadata
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
-from octavo.engine.worker.models.gpt2 import ACTIVATIONS, GPT2Config
+from octavo.engine.worker.models.configs import ACTIVATION_FUNCTIONS, GPT2Config
+from octavo.engine.worker.models.gpt2 import ACTIVATIONS
 from octavo.engine.worker.models.weights import load_model
 from octavo.kernels.paged_attention import paged_attention, paged_attention_ref
 from tests.checkpoints import TinySpec, make_checkpoint, sample_prompts
@@ -272,6 +273,8 @@ def test_every_weightless_transformers_activation_is_supported_and_equal():
         torch.testing.assert_close(ACTIVATIONS[name](x), theirs(x), atol=1e-6, rtol=1e-6)
     assert refused, "a precondition: some HF activation has weights"
     assert set(ACTIVATIONS) <= set(ACT2CLS)
+    # The configuration (torch-free) accepts exactly the activations the model computes.
+    assert set(ACTIVATION_FUNCTIONS) == set(ACTIVATIONS)
 
 
 @pytest.mark.parametrize("scale_attn_weights", [True, False])

@@ -9,8 +9,9 @@ import torch
 
 from octavo.engine.worker.attention.backend import AttentionMetadata
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
-from octavo.engine.worker.models.gpt2 import GPT2Config
-from octavo.engine.worker.models.weights import DUMMY_PRESETS, load_model
+from octavo.engine.worker.models.configs import GPT2Config
+from octavo.engine.worker.models.model_files import DUMMY_PRESETS
+from octavo.engine.worker.models.weights import load_model
 from tests.checkpoints import TinySpec, make_checkpoint
 
 SPECS = [

@@ -14,8 +14,10 @@ from octavo import kernels
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
 from octavo.engine.worker.model_runner import ModelRunner
-from octavo.engine.worker.models.gpt_bigcode import GPTBigCodeConfig, GPTBigCodeForCausalLM
-from octavo.engine.worker.models.weights import DUMMY_PRESETS, load_model
+from octavo.engine.worker.models.configs import GPTBigCodeConfig
+from octavo.engine.worker.models.gpt_bigcode import GPTBigCodeForCausalLM
+from octavo.engine.worker.models.model_files import DUMMY_PRESETS
+from octavo.engine.worker.models.weights import load_model
 from tests.checkpoints import TinySpec, make_gpt_bigcode_checkpoint, sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 from tests.model.test_config_variants import assert_beam_search_equals_transformers

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
-from octavo.engine.worker.models.gpt2 import GPT2MLP, GPT2Config
+from octavo.engine.worker.models.configs import GPT2Config
+from octavo.engine.worker.models.gpt2 import GPT2MLP
 from octavo.engine.worker.models.weights import load_model
 from tests.checkpoints import make_checkpoint
 from tests.model.test_gpt2_parity import SPECS, paged_logits

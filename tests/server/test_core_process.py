@@ -115,3 +115,22 @@ def test_closing_the_client_reaps_the_core_once_without_a_false_alarm(tiny_model
     assert process.exitcode == 0
     assert "did not exit" not in caplog.text
     assert not deaths  # a requested exit is no death
+
+
+def loaded_libraries(pid: int) -> str:
+    """The shared objects process `pid` has mapped (Linux)."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_only_the_engine_core_loads_torch(server, client):
+    """The API process runs no model: after completions, a stream and a chat request (every
+    lazy import of the request paths done), it has not loaded torch, which would cost every
+    start seconds before the core even spawns. The core, which runs the model, has."""
+    client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, logprobs=2)
+    for _ in client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, stream=True):
+        pass
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
+    assert "libtorch" in loaded_libraries(core_pid(server.process.pid))
+    assert "libtorch" not in loaded_libraries(server.process.pid)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.models.configs import GPT2Config
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 
 # QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
@@ -39,7 +39,8 @@ _tanh_gelu = partial(F.gelu, approximate="tanh")
 # below the dtype's rounding.
 EPILOGUE_GELU_DTYPES = (torch.float16, torch.bfloat16)
 
-# Every parameter-free activation of HF's ACT2FN, by its config name. HF writes the tanh-GELU
+# The MLP's activation for each of configs.ACTIVATION_FUNCTIONS (every parameter-free
+# activation of HF's ACT2FN, by its config name). HF writes the tanh-GELU
 # family as several Python formulas (gelu_fast as tanh(0.7978845608 x (1 + 0.044715 x^2)));
 # all are 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), 0.7978845608 being sqrt(2/pi) to
 # ten digits, beyond float32: they differ from torch's fused tanh GELU by rounding only
@@ -69,127 +70,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "laplace": _laplace,
     "linear": lambda x: x,
 }
-
-
-@dataclass(frozen=True)
-class GPT2Config:
-    """The parts of a Hugging Face GPT2Config this model uses; `from_hf_dict` refuses the rest.
-
-    activation_function: the MLP's activation, a key of ACTIVATIONS.
-    scale_attn_weights: scores are scaled by 1/sqrt(head_dim) (else by 1).
-    scale_attn_by_inverse_layer_idx: layer i's (0-based) scores are also divided by i + 1.
-    (Both in `attention_scale`.)
-
-    HF's reorder_and_upcast_attn is accepted and not stored: with it HF computes the scaled
-    QK^T and the softmax in float32 whatever the model's dtype (on its eager path; its SDPA
-    path ignores the flag), and both backends always do: the Triton kernels accumulate
-    tl.dot in float32 (decode: float32 operands), scale the float32 scores and normalise in
-    float32; torch's SDPA kernels accumulate and normalise in float32, its math fallback
-    upcasting 16-bit inputs (torch's default, allow_fp16_bf16_reduction_math_sdp off). A
-    product of two fp16 or bf16 numbers is exact in float32, so this is HF's upcast-then-
-    multiply up to summation order. As in HF, the probabilities meet V in V's dtype.
-    """
-
-    # config.json's model_type this class reads (the registry's key).
-    model_type: ClassVar[str] = "gpt2"
-
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    n_inner: int | None = None
-    layer_norm_epsilon: float = 1e-5
-    tie_word_embeddings: bool = True
-    bos_token_id: int | None = 50256
-    eos_token_id: int | None = 50256
-    activation_function: str = "gelu_new"
-    scale_attn_weights: bool = True
-    scale_attn_by_inverse_layer_idx: bool = False
-
-    def __post_init__(self) -> None:
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
-                f"activation_function={self.activation_function!r} is not supported "
-                f"(one of {sorted(ACTIVATIONS)})"
-            )
-
-    @property
-    def flops_per_token(self) -> int:
-        """Multiply-adds x 2 of one decode token's matrix products (attention over the
-        context excluded): QKV, out and MLP per layer (12 n_embd^2 for GPT-2's 3 n_embd QKV
-        and 4x MLP) plus the LM head."""
-        per_layer = (
-            self.n_embd * self.qkv_width + self.n_embd * self.n_embd
-            + 2 * self.n_embd * self.inner_dim
-        )  # fmt: skip
-        return 2 * (self.n_layer * per_layer + self.vocab_size * self.n_embd)
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def num_kv_heads(self) -> int:
-        """K/V heads per layer (the KV cache's head dimension): one per query head."""
-        return self.n_head
-
-    @property
-    def qkv_width(self) -> int:
-        """Output width of the fused c_attn: the queries, then keys and values of every K/V
-        head."""
-        return self.n_embd + 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def inner_dim(self) -> int:
-        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
-
-    def attention_scale(self, layer: int) -> float:
-        """The softmax scale of layer `layer` (0-based), computed as HF's GPT2Attention does
-        (same operations in the same order, so the same float)."""
-        scale = self.head_dim**-0.5 if self.scale_attn_weights else 1.0
-        if self.scale_attn_by_inverse_layer_idx:
-            scale /= float(layer + 1)
-        return scale
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> GPT2Config:
-        """Builds a config from config.json, refusing flags this model would silently ignore."""
-        model_type = cfg.get("model_type", "gpt2")
-        if model_type != cls.model_type:
-            raise ValueError(f"config.json: model_type {model_type!r} is not {cls.model_type!r}")
-        if cfg.get("add_cross_attention", False):
-            raise ValueError(
-                f"config.json: add_cross_attention={cfg['add_cross_attention']!r} is not supported"
-            )
-        n_embd, n_head = cfg.get("n_embd", 768), cfg.get("n_head", 12)
-        if n_embd % n_head:
-            raise ValueError(f"config.json: n_embd={n_embd} is not divisible by n_head={n_head}")
-        try:
-            return cls(**cls._hf_fields(cfg))
-        except ValueError as exc:
-            raise ValueError(f"config.json: {exc}") from exc
-
-    @classmethod
-    def _hf_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        """This class's fields from config.json, with HF's defaults for absent keys."""
-        return {
-            "vocab_size": cfg.get("vocab_size", 50257),
-            "n_positions": cfg.get("n_positions", 1024),
-            "n_embd": cfg.get("n_embd", 768),
-            "n_layer": cfg.get("n_layer", 12),
-            "n_head": cfg.get("n_head", 12),
-            "n_inner": cfg.get("n_inner"),
-            "layer_norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
-            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
-            "bos_token_id": cfg.get("bos_token_id"),
-            "eos_token_id": cfg.get("eos_token_id"),
-            "activation_function": cfg.get("activation_function", cls.activation_function),
-            "scale_attn_weights": bool(cfg.get("scale_attn_weights", True)),
-            "scale_attn_by_inverse_layer_idx": bool(
-                cfg.get("scale_attn_by_inverse_layer_idx", False)
-            ),
-        }
 
 
 class GPT2Attention(nn.Module):

@@ -14,43 +14,13 @@ transformers' modeling_gpt_bigcode.py:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from octavo.engine.worker.attention.backend import AttentionBackend
-from octavo.engine.worker.models.gpt2 import GPT2Attention, GPT2Config, GPT2LMHeadModel
-
-
-@dataclass(frozen=True)
-class GPTBigCodeConfig(GPT2Config):
-    """A Hugging Face GPTBigCodeConfig: GPT2Config's fields plus `multi_query`.
-
-    GPTBigCode has no scale_attn_by_inverse_layer_idx (HF's model never reads it: it stays
-    False). attention_softmax_in_fp32 and scale_attention_softmax_in_fp32 are accepted and
-    not stored: the installed transformers keeps them on the config but never reads them,
-    scaling the scores and normalising them in float32 whatever they say, and both backends
-    always do (see GPT2Config on reorder_and_upcast_attn). Older transformers versions
-    honoured them only for 16-bit models, where float32 is what they ask for when true (the
-    default, and what every released checkpoint sets).
-    """
-
-    model_type: ClassVar[str] = "gpt_bigcode"
-
-    activation_function: str = "gelu_pytorch_tanh"
-    multi_query: bool = True
-
-    @property
-    def num_kv_heads(self) -> int:
-        """One K/V head shared by every query head with multi_query, else one per head."""
-        return 1 if self.multi_query else self.n_head
-
-    @classmethod
-    def _hf_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        fields = super()._hf_fields(cfg)
-        del fields["scale_attn_by_inverse_layer_idx"]  # a GPT-2 flag GPTBigCode never reads
-        return fields | {"multi_query": bool(cfg.get("multi_query", True))}
+from octavo.engine.worker.models.configs import GPT2Config, GPTBigCodeConfig
+from octavo.engine.worker.models.gpt2 import GPT2Attention, GPT2LMHeadModel
 
 
 class GPTBigCodeAttention(GPT2Attention):

@@ -1,9 +1,8 @@
-"""Finds a model (folder or hub id), builds its architecture (registry, by model_type) and
-fills its weights (safetensors or dummy)."""
+"""Builds a model's architecture (registry, by model_type) on the device and fills its weights
+(safetensors or dummy); model_files.py finds the model and reads its configuration."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -11,33 +10,17 @@ import torch
 from safetensors.torch import load_file
 
 from octavo.engine.worker.attention.backend import AttentionBackend
-from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from octavo.engine.worker.models.gpt_bigcode import GPTBigCodeConfig
-from octavo.engine.worker.models.registry import config_from_hf_dict, model_class
+from octavo.engine.worker.models.configs import GPT2Config
+from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.models.model_files import eos_token_id, model_config
+from octavo.engine.worker.models.registry import model_class
 
-# Shapes of the released GPT-2 sizes, for load_format="dummy" without a config.json; and
-# transformers' default GPTBigCodeConfig: GPT-2 small's shape with multi-query attention.
-DUMMY_PRESETS: dict[str, GPT2Config] = {
-    "gpt2": GPT2Config(n_layer=12, n_embd=768, n_head=12),
-    "gpt2-medium": GPT2Config(n_layer=24, n_embd=1024, n_head=16),
-    "gpt2-large": GPT2Config(n_layer=36, n_embd=1280, n_head=20),
-    "gpt2-xl": GPT2Config(n_layer=48, n_embd=1600, n_head=25),
-    "gpt_bigcode": GPTBigCodeConfig(n_layer=12, n_embd=768, n_head=12, multi_query=True),
-}
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
 DUMMY_INIT_STD = 0.02
 # On CUDA the LM head's rows are padded to this multiple (see GPT2LMHeadModel.pad_lm_head):
 # with GPT-2's odd 50257 output columns cuBLAS falls back to an unaligned kernel, the
 # largest single cost of a large decode step in benchmarks/profile_decode.py's H100 profile.
 CUDA_LM_HEAD_ROW_MULTIPLE = 64
-_HUB_FILES = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",  # the chat template, if the checkpoint has one
-    "*.safetensors",
-    "*.safetensors.index.json",
-]
 # Checkpoint entries that are buffers of older transformers versions, not weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -49,29 +32,6 @@ class LoadedModel:
     eos_token_id: int | None
 
 
-def tokenizer_file(model: str, load_format: str) -> Path | None:
-    """The model's tokenizer.json, or None (a dummy preset, a folder without one)."""
-    if load_format == "dummy" and model in DUMMY_PRESETS:
-        return None
-    path = resolve_model_path(model) / "tokenizer.json"
-    return path if path.is_file() else None
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local folder as is; otherwise a hub id downloaded (or found in the HF cache)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_FILES))
-    except Exception as exc:  # offline, unknown repo, bad id: all mean "cannot load"
-        raise ValueError(
-            f"model {model!r} is neither a local folder nor a reachable Hugging Face hub id: {exc}"
-        ) from exc
-
-
 def load_model(
     model: str,
     load_format: str,
@@ -80,8 +40,8 @@ def load_model(
     dtype: torch.dtype,
     seed: int,
 ) -> LoadedModel:
-    path, config = _model_config(model, load_format)
-    eos = _eos_token_id(path, config)
+    path, config = model_config(model, load_format)
+    eos = eos_token_id(path, config)
     config = replace(config, eos_token_id=eos)
 
     with torch.device("meta"):
@@ -109,32 +69,6 @@ def _materialize(net: torch.nn.Module, device: torch.device) -> None:
         for name, param in module.named_parameters(recurse=False):
             empty = torch.empty(param.shape, dtype=param.dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
-
-
-def _model_config(model: str, load_format: str) -> tuple[Path | None, GPT2Config]:
-    """The model's folder (None for a dummy preset) and its configuration."""
-    if load_format == "dummy" and model in DUMMY_PRESETS:
-        return None, DUMMY_PRESETS[model]
-    path = resolve_model_path(model)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model folder {path} has no config.json")
-    return path, config_from_hf_dict(json.loads(config_file.read_text()))
-
-
-def load_model_config(model: str, load_format: str) -> GPT2Config:
-    """The configuration alone, without loading weights."""
-    return _model_config(model, load_format)[1]
-
-
-def _eos_token_id(path: Path | None, config: GPT2Config) -> int | None:
-    """generation_config.json's EOS (what HF generate stops on), else config.json's."""
-    eos = config.eos_token_id
-    if path is not None and (path / "generation_config.json").is_file():
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
 
 
 def _init_dummy(net: GPT2LMHeadModel, seed: int) -> None:
