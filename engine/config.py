@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,6 +21,17 @@ GRAPH_PREFILL_INTERVAL = 8
 # A CPU KV cache of this size holds tens of thousands of tokens even for GPT-2 xl: the
 # cache is allocated with torch.empty, so pages nobody touches cost no RAM.
 DEFAULT_CPU_KV_CACHE_GB = 2.0
+
+
+def torch_has_gpu_build() -> bool:
+    """Whether the installed torch may reach a GPU through torch.cuda: its CUDA or ROCm
+    library is there (a CPU wheel has neither, and its torch.cuda.is_available() is always
+    False), read from its files without importing it. True when that cannot be told."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    lib = Path(spec.submodule_search_locations[0]) / "lib"
+    return any(lib.glob("*torch_cuda*")) or any(lib.glob("*torch_hip*"))
 
 
 @dataclass(frozen=True)
@@ -156,10 +169,11 @@ class EngineConfig:
 
     @property
     def device_type(self) -> str:
-        """ "cpu", "cuda", ...: from `device` as written, so that a process that runs no model
-        (an API process) learns it without importing torch; only "auto" asks torch."""
+        """ "cpu", "cuda", ...: what `torch_device` resolves to, learned without importing
+        torch where that is certain (a process that runs no model, an API process, needs
+        it): `device` as written, and "auto" with a torch built for no GPU."""
         if self.device == "auto":
-            return self.torch_device.type
+            return self.torch_device.type if torch_has_gpu_build() else "cpu"
         return self.device.partition(":")[0]
 
     @property

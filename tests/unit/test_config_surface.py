@@ -2,6 +2,9 @@
 is a CLI flag with the field's default, and a keyword of the offline LLM."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -107,3 +110,29 @@ def test_piecewise_graphs_default_on_with_cuda_graphs_and_can_be_turned_off():
     assert not EngineConfig(
         model="m", device="cuda", piecewise_cuda_graphs=False
     ).uses_piecewise_graphs
+
+
+@pytest.mark.parametrize("gpu_library", [None, "libtorch_cuda.so", "libtorch_hip.so"])
+def test_device_auto_is_cpu_without_importing_a_torch_built_for_no_gpu(tmp_path, gpu_library):
+    """An API process learns the device type of `--device auto` without torch when the
+    installed torch has no GPU library (its torch.cuda.is_available() is always False);
+    with one, only torch can tell. A stand-in torch package that fails when imported shows
+    which happened."""
+    lib = tmp_path / "torch" / "lib"
+    lib.mkdir(parents=True)
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    (lib / "libtorch_cpu.so").touch()
+    if gpu_library is not None:
+        (lib / gpu_library).touch()
+    program = "from octavo.engine.config import EngineConfig; print(EngineConfig('m').device_type)"
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run(
+        [sys.executable, "-c", program],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+    )
+    if gpu_library is None:
+        assert (run.returncode, run.stdout) == (0, "cpu\n"), run.stderr
+    else:
+        assert run.returncode != 0 and "torch was imported" in run.stderr
