@@ -39,9 +39,9 @@ except ImportError:  # run as a plain script: make the repository root importabl
 import msgspec
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.common import length_range
 from octavo.benchmarks.provenance import git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
+from octavo.benchmarks.workload import length_range
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.core_process import CoreAddresses, connect_core_sockets
 from octavo.engine.core_messages import (
@@ -152,7 +152,6 @@ def _other_cpus() -> set[int]:
 
 def serve(port: int, model: Path, max_num_seqs: int, step_ms: float) -> None:
     """The real API process over the stand-in core, pinned to API_CPU."""
-    import torch
     import uvicorn
 
     from octavo.engine.frontend.async_engine import AsyncEngine
@@ -162,7 +161,6 @@ def serve(port: int, model: Path, max_num_seqs: int, step_ms: float) -> None:
     from octavo.server.app import create_app
     from octavo.server.serving_engine import ServerConfig
 
-    torch.set_num_threads(1)
     config = EngineConfig(
         model=str(model), load_format="dummy", device="cpu", max_num_seqs=max_num_seqs
     )

@@ -86,7 +86,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
-from octavo.benchmarks import common, provenance
+from octavo.benchmarks import common, provenance, workload
 from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult, safe_div
 from octavo.engine import LLM, BeamSearchParams
 from octavo.engine.step_io import SchedulerOutput
@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Random token ids (never the last id, the dummy EOS); the same for every beam width."""
     rng = random.Random(seed * 1_000_003 + prompt_len)
-    return [common.random_tokens(rng, prompt_len, vocab_size - 1) for _ in range(num_requests)]
+    return [workload.random_tokens(rng, prompt_len, vocab_size - 1) for _ in range(num_requests)]
 
 
 def timed(

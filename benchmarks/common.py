@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import tempfile
 import time
 import traceback
@@ -222,20 +221,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
 
 
 # -- workloads and engines ------------------------------------------------------------------
-
-
-def length_range(text: str) -> tuple[int, int]:
-    """A length, "N", or a range to draw each request's from, "MIN-MAX" (inclusive)."""
-    low, _, high = text.partition("-")
-    bounds = (int(low), int(high or low))
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX with 1 <= MIN <= MAX: {text}")
-    return bounds
-
-
-def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    """n random token ids below `vocab`."""
-    return [rng.randrange(vocab) for _ in range(n)]
 
 
 def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:

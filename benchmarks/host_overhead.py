@@ -46,8 +46,9 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 import torch
 
-from octavo.benchmarks.common import PhaseTimer, length_range
+from octavo.benchmarks.common import PhaseTimer
 from octavo.benchmarks.provenance import git_commit
+from octavo.benchmarks.workload import length_range
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt

@@ -60,7 +60,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadM
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from octavo.benchmarks import common, provenance
+from octavo.benchmarks import common, provenance, workload
 from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult
 from octavo.engine import LLM, SamplingParams
 
@@ -144,7 +144,7 @@ def make_workload(
     rng = random.Random(seed)
     prompts, output_lens = [], []
     for _ in range(num_requests):
-        prompts.append(common.random_tokens(rng, rng.randint(*prompt_len), vocab_size))
+        prompts.append(workload.random_tokens(rng, rng.randint(*prompt_len), vocab_size))
         output_lens.append(rng.randint(*output_len))
     return Workload(prompts, output_lens)
 

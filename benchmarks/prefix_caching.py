@@ -37,7 +37,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks import common, provenance
-from octavo.benchmarks.common import random_tokens as tokens
+from octavo.benchmarks.workload import random_tokens as tokens
 from octavo.engine import LLM, RequestOutput, SamplingParams
 
 WORKLOADS = ("shared", "multi_turn", "unique")

@@ -62,12 +62,9 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
-from octavo.benchmarks.common import PhaseTimer, length_range
 from octavo.benchmarks.provenance import REPO_ROOT, git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
-from octavo.engine import LLM, SamplingParams
+from octavo.benchmarks.workload import length_range
 from octavo.engine.config import DTYPES
 from octavo.server.server_args import DEFAULT_MODEL
 
@@ -233,6 +230,13 @@ def run_offline(
 ) -> dict:
     """--repeats timed runs of the whole workload after one untimed one; the median run,
     with its host work per token."""
+    # Here, not at the top: only this run loads torch; the served modes' processes and
+    # api_throughput.py (which shares this module's workload) run no model in this process.
+    import torch
+
+    from octavo.benchmarks.common import PhaseTimer
+    from octavo.engine import LLM, SamplingParams
+
     # On a GPU the served engine runs beside this one and sizes its KV cache from what the
     # device has free, so this engine takes only its share.
     share = {"gpu_memory_utilization": OFFLINE_GPU_SHARE} if args.device.startswith("cuda") else {}
