@@ -104,7 +104,7 @@ def run_fake_core(
 
     def stats() -> EngineStats:
         return EngineStats(
-            len(running), 0, FAKE_NUM_BLOCKS, FAKE_NUM_BLOCKS, 0.0, 0, 0, 0, added, 0, 0
+            len(running), 0, FAKE_NUM_BLOCKS, FAKE_NUM_BLOCKS, 0.0, 0, 0, 0, added, 0, 0, 0
         )
 
     outputs.send(encoder.encode(EngineCoreReady(limits, stats())))

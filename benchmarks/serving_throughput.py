@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +69,8 @@ from octavo.benchmarks.workload import length_range
 from octavo.engine.config import DTYPES
 from octavo.server.server_args import DEFAULT_MODEL
 
+# The counter of /metrics that says how many steps the engine has run.
+ENGINE_STEPS_METRIC = "octavo:engine_steps_total"
 # The GPU memory fraction the offline engine may take, the served one getting the rest.
 OFFLINE_GPU_SHARE = 0.4
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -256,11 +259,13 @@ def run_offline(
     for _ in range(args.repeats + 1):
         if timer is not None:
             timer.totals.clear()
+        steps = llm.engine.stats().num_steps
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         run = {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
+        run |= steps_taken(llm.engine.stats().num_steps - steps, tokens)
         if timer is not None:
             run["host_us_per_token"] = (wall - timer.totals["forward"]) / tokens * 1e6
         runs.append(run)
@@ -268,6 +273,22 @@ def run_offline(
     if timer is not None:
         median["all_host_us_per_token"] = [r["host_us_per_token"] for r in runs[1:]]
     return median
+
+
+def steps_taken(steps: int | None, tokens: int) -> dict:
+    """A run's engine steps and generated tokens per step: how full its batches ran, which
+    tells a served run's underfilled steps from its slower ones (None: a checkout whose
+    engine does not count steps)."""
+    return {"engine_steps": steps, "tokens_per_step": tokens / steps if steps else None}
+
+
+def engine_steps(port: int) -> int | None:
+    """The engine steps a server has run (its /metrics), or None if it does not say."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f"{ENGINE_STEPS_METRIC} "):
+                return int(float(line.split()[1]))
+    return None
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -332,6 +353,7 @@ def run_served(
             run_clients(port, sent)  # warm-up: the whole workload once, untimed
             runs = []
             for repeat in range(args.repeats):
+                steps = engine_steps(port)
                 before = process_tree_cpu(server.pid)
                 samples = None
                 if args.py_spy_dir is not None and repeat == 0:
@@ -340,6 +362,9 @@ def run_served(
                 with stack_samples(server.pid, samples):
                     run = run_clients(port, sent, args.client_procs)
                 after = process_tree_cpu(server.pid)
+                steps_after = engine_steps(port)
+                taken = None if steps is None or steps_after is None else steps_after - steps
+                run |= steps_taken(taken, run["completion_tokens"])
                 run["cpu_us_per_token"] = {
                     name: (seconds - before.get(name, 0.0)) / run["completion_tokens"] * 1e6
                     for name, seconds in after.items()
@@ -405,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         offline = result["offline"]["tokens_per_s"]
         host = result["offline"].get("host_us_per_token")
         print(
-            f"offline LLM.generate: {offline:,.0f} tok/s"
+            f"offline LLM.generate: {offline:,.0f} tok/s, "
+            f"{fill(result['offline'])}"
             + ("" if host is None else f", host work {host:.1f} us/token")
         )
         runs = [(mode, here, mode) for mode in args.modes]
@@ -426,12 +452,18 @@ def main(argv: list[str] | None = None) -> int:
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in served["cpu_us_per_token"].items())
             print(
                 f"served {name}: {served['tokens_per_s']:,.0f} tok/s "
-                f"({served['kept_of_offline']:.0%} of offline), failed {served['failed']}, "
+                f"({served['kept_of_offline']:.0%} of offline), {fill(served)}, "
+                f"failed {served['failed']}, "
                 f"client CPU {served['client_cpu_share_of_a_core']:.0%} of a core; "
                 f"server CPU us/token: {cpu}"
             )
     write_result(args.result_file, result)
     return 0
+
+
+def fill(run: dict) -> str:
+    per_step = run.get("tokens_per_step")
+    return "tokens/step n/a" if per_step is None else f"{per_step:.0f} tokens/step"
 
 
 if __name__ == "__main__":

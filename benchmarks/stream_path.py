@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _stats(num_requests: int) -> EngineStats:
     return EngineStats(num_requests, 0, FAKE_NUM_BLOCKS, FAKE_NUM_BLOCKS, 0.0, 0, 0, 0,
-                       num_requests, 0, 0)  # fmt: skip
+                       num_requests, 0, 0, 0)  # fmt: skip
 
 
 class StandInClient(EngineCoreClient):

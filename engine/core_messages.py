@@ -130,6 +130,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_requests_added: int
     num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hits: int  # of which were cached
+    num_steps: int  # model forward passes run: generated tokens / steps is the batch's fill
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

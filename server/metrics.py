@@ -41,6 +41,7 @@ class EngineStatsCollector(Collector):
         yield _counter(
             "prefix_cache_hits", "Tokens found in the prefix cache.", stats.num_prefix_cache_hits
         )
+        yield _counter("engine_steps", "Engine steps run (model forward passes).", stats.num_steps)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

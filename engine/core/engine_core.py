@@ -138,6 +138,7 @@ class EngineCore:
         )
         self._groups: dict[str, SequenceGroup] = {}
         self._num_requests_added = 0
+        self._num_steps = 0
         # Async scheduling: the step launched last, applied after the next one is launched.
         self._in_flight: tuple[ScheduledStep, StepFuture] | None = None
         # Resolved once: the config is frozen, and resolving it per step would ask torch.
@@ -291,6 +292,7 @@ class EngineCore:
             for observe in self.step_observers:
                 observe(scheduled.output)
             launched = self.runner.execute_async(scheduled.output)
+            self._num_steps += 1
         if self._in_flight is not None:  # the previous step, applied while this one runs
             outputs += self._apply_step(*self._in_flight)
         self._in_flight = None if launched is None else (scheduled, launched)
@@ -321,4 +323,5 @@ class EngineCore:
             num_requests_added=self._num_requests_added,
             num_prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             num_prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
+            num_steps=self._num_steps,
         )

@@ -27,6 +27,7 @@ _COUNTERS = {
     "octavo_num_preemptions_total": ("preemptions", "num_preemptions"),
     "octavo_prefix_cache_queries_total": ("prompt tokens looked up", "num_prefix_cache_queries"),
     "octavo_prefix_cache_hits_total": ("prompt tokens found cached", "num_prefix_cache_hits"),
+    "octavo_engine_steps_total": ("engine steps run", "num_steps"),
 }
 
 

@@ -54,6 +54,11 @@ def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_pat
         cpu = served["cpu_us_per_token"]
         assert "main" in cpu and min(cpu.values()) >= 0
         assert (mode != "inprocess") == any(name.startswith("child") for name in cpu), mode
+    # Engine steps (from the engine, or the server's /metrics): the longest request needs one
+    # per token (at least 5), and every step generates a token for some request.
+    for name, measured in [("offline", offline), *result["served"].items()]:
+        assert 5 <= measured["engine_steps"] <= tokens, name
+        assert measured["tokens_per_step"] == pytest.approx(tokens / measured["engine_steps"])
     assert result["commit"] == short_commit()
     assert result["served"]["unstreamed"]["events"] == 0
     # Per stream at interval 8: the first token, the rest (at most 8), usage and [DONE].

@@ -28,7 +28,7 @@ class RecordingSocket:
 
 
 def stats(added: int) -> EngineStats:
-    return EngineStats(2, 0, 10, 10, 0.0, 0, 0, 0, added, 0, 0)
+    return EngineStats(2, 0, 10, 10, 0.0, 0, 0, 0, added, 0, 0, 0)
 
 
 def request(request_id: str) -> EngineCoreRequest:

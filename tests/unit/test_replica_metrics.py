@@ -26,7 +26,7 @@ def stats(running: int, generated: int, hits: int) -> EngineStats:
         num_running_seqs=running, num_waiting_requests=1, num_free_blocks=10,
         num_usable_blocks=20, kv_cache_usage=0.5, num_preemptions=0, num_prompt_tokens=40,
         num_generation_tokens=generated, num_requests_added=3, num_prefix_cache_queries=64,
-        num_prefix_cache_hits=hits,
+        num_prefix_cache_hits=hits, num_steps=generated // 2,
     )  # fmt: skip
 
 
@@ -40,3 +40,4 @@ def test_gauges_follow_the_engine_and_counters_add_what_it_gained():
     assert recorded["octavo_generation_tokens_total"].value == 130
     assert recorded["octavo_prefix_cache_hits_total"].value == 48
     assert recorded["octavo_prompt_tokens_total"].value == 40
+    assert recorded["octavo_engine_steps_total"].value == 65
