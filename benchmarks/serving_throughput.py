@@ -282,6 +282,12 @@ def steps_taken(steps: int | None, tokens: int) -> dict:
     return {"engine_steps": steps, "tokens_per_step": tokens / steps if steps else None}
 
 
+def fill(run: dict) -> str:
+    """A run's tokens per step, as the summary prints it."""
+    per_step = run.get("tokens_per_step")
+    return "tokens/step n/a" if per_step is None else f"{per_step:.0f} tokens/step"
+
+
 def engine_steps(port: int) -> int | None:
     """The engine steps a server has run (its /metrics), or None if it does not say."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -459,11 +465,6 @@ def main(argv: list[str] | None = None) -> int:
             )
     write_result(args.result_file, result)
     return 0
-
-
-def fill(run: dict) -> str:
-    per_step = run.get("tokens_per_step")
-    return "tokens/step n/a" if per_step is None else f"{per_step:.0f} tokens/step"
 
 
 if __name__ == "__main__":
