@@ -34,9 +34,8 @@ except ImportError:  # run as a plain script: make the repository root importabl
 
 from octavo.benchmarks.provenance import REPO_ROOT, git_commit, header, host_info, write_result
 from octavo.benchmarks.sse_client import SERVER_STARTUP_TIMEOUT_S, free_port, running_server
+from octavo.server.server_args import DEFAULT_MODEL
 
-# server_args.DEFAULT_MODEL, named here without importing the engine (and torch).
-DEFAULT_MODEL = REPO_ROOT / "server" / "default_model"
 # The dummy-weight model's shape when no --model is given.
 DUMMY_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 256}
 
