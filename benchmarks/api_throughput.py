@@ -157,7 +157,7 @@ def serve(port: int, model: Path, max_num_seqs: int, step_ms: float) -> None:
     from octavo.engine.frontend.async_engine import AsyncEngine
     from octavo.engine.frontend.core_client import MultiprocessCoreClient
     from octavo.engine.frontend.tokenizer import load_tokenizer
-    from octavo.engine.heap import freeze_startup_heap
+    from octavo.engine.heap import tune_collector_for_serving
     from octavo.server.app import create_app
     from octavo.server.serving_engine import ServerConfig
 
@@ -169,7 +169,7 @@ def serve(port: int, model: Path, max_num_seqs: int, step_ms: float) -> None:
     os.sched_setaffinity(0, {API_CPU})  # after the spawn: the core chose its own CPUs
     engine = AsyncEngine(client, load_tokenizer(str(model), "auto"), max_num_waiting=4096)
     app = create_app(engine, ServerConfig(served_model_name=serving_throughput.MODEL_NAME))
-    freeze_startup_heap()  # as `octavo serve` does
+    tune_collector_for_serving()  # as `octavo serve` does
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", limit_concurrency=8192)
 
 

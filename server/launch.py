@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from octavo.engine.config import EngineConfig
 from octavo.engine.frontend.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.frontend.core_client import SharedCore
-from octavo.engine.heap import freeze_startup_heap
+from octavo.engine.heap import tune_collector_for_serving
 from octavo.engine.worker.models.model_files import load_model_config
 from octavo.server.graceful_server import GracefulServer
 from octavo.server.http_guards import LOOPBACK_HOSTS, http_with_header_timeout
@@ -84,7 +84,7 @@ def run_http_server(
         limit_concurrency=args.limit_concurrency,
     )
     server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds, stop_signals)
-    freeze_startup_heap()
+    tune_collector_for_serving()
     server.run(sockets=None if sock is None else [sock])
     if server.engine_failed:
         logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")

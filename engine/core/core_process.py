@@ -37,7 +37,7 @@ from octavo.engine.core_messages import (
     EngineCoreOutputs,
     EngineCoreReady,
 )
-from octavo.engine.heap import freeze_startup_heap
+from octavo.engine.heap import tune_collector_for_serving
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def run_engine_core(
         router.broadcast(EngineCoreFailed(f"{exc}", startup=True))
         status = 1
     else:
-        freeze_startup_heap()
+        tune_collector_for_serving()
         router.broadcast(EngineCoreReady(core.limits, core.stats()))
         try:
             core.run_busy_loop(router.receiver(inputs, parent_pid), router.send)

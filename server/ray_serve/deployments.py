@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from octavo.engine.heap import freeze_startup_heap
+from octavo.engine.heap import tune_collector_for_serving
 from octavo.server.errors import APIError
 from octavo.server.http_guards import body_too_large
 from octavo.server.launch import build_server
@@ -58,7 +58,7 @@ class EngineReplica:
         self._publishing = asyncio.ensure_future(
             self._metrics.publish_every(PUBLISH_PERIOD_S, self._engine.stats)
         )
-        freeze_startup_heap()  # as `octavo serve` does: start-up objects leave the GC's scans
+        tune_collector_for_serving()  # as `octavo serve` does
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks."""
