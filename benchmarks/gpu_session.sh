@@ -17,6 +17,9 @@
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh fusions OUT_DIR
 #       # kernel_bench here and in BEFORE_ROOT, then `compare` at batches 1, 8, 16, 64
 #       # and 256
+#   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh serve_compare OUT_DIR
+#       # the serve stage's requests served by this tree and by BEFORE_ROOT in one run
+#       # (a serving change measured against its commit before)
 #
 # The GPU machine lacks packages the engine imports (llguidance, msgspec, pyzmq: every stage
 # needs them) and the server's: `bash benchmarks/gpu_wheels.sh` fetches them here as wheels
@@ -30,7 +33,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|piecewise|compare|fusions OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|piecewise|compare|fusions|serve_compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -241,6 +244,16 @@ fusions)
     step kernel_bench_before env PYTHONPATH="$before:$PYTHONPATH" "$python" \
         "$before/benchmarks/kernel_bench.py" --result-file "$out/kernel_bench_before.json"
     PROFILE_BATCHES="1 8 16 64 256" bash "$0" compare "$out" || status=$?
+    ;;
+serve_compare)
+    # One offline run, then both trees' servers on the same requests, streamed and
+    # unstreamed, one mode after another: a serving change against the commit before it.
+    # 1024 requests, so that four modes fit the call.
+    before=${BEFORE_ROOT:?serve_compare needs BEFORE_ROOT, the checkout to measure against}
+    step serving_gpt2_compare "$python" benchmarks/serving_throughput.py --preset gpt2 \
+        --device cuda --dtype float16 --num-requests 1024 --modes streamed unstreamed \
+        --before-root "$before" --before-modes streamed unstreamed --client-procs 4 \
+        --repeats 3 --result-file "$out/serving_throughput_gpt2_compare.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
