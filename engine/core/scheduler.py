@@ -651,8 +651,13 @@ class Scheduler:
                     chunks[group.request_id], groups[group.request_id] = chunk, group
             attach_prompt_logprobs(outputs, chunks, groups)
         if finished:
+            was_running = {id(g) for g in self.running}
             self.running = [g for g in self.running if not g.is_finished]
-            if any(g.is_finished for g in self.waiting):  # preempted, finished by a late token
+            # A group that finished here without running was preempted after this step was
+            # scheduled (a late token finished it): only then can a finished group be
+            # waiting. Looking among the finished, not the waiting, keeps a step's cost
+            # independent of how many requests wait.
+            if any(id(g) not in was_running for g in finished):
                 self.waiting = deque(g for g in self.waiting if not g.is_finished)
         return update
 

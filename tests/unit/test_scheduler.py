@@ -159,6 +159,34 @@ def test_preemption_frees_the_newest_group_and_recomputes_it_later():
     assert bm.num_free_blocks == 6
 
 
+def test_a_group_preempted_with_a_token_in_flight_that_ends_it_leaves_the_waiting_queue():
+    """Async scheduling: the next step is scheduled before this one's tokens come back. A
+    group preempted by that scheduling, whose token still in flight is EOS, finishes while
+    waiting: it must leave the queue then, not be recomputed."""
+    scheduler, bm = make_scheduler(num_blocks=7, block_size=2, budget=16)
+    a = add(scheduler, "a", 5, max_tokens=4)
+    b = add(scheduler, "b", 5, max_tokens=4)
+    step(scheduler, bm)  # both prompts: 3 blocks each, none left
+    in_flight = scheduler.schedule()  # position 5 of each, in the blocks they hold
+    ahead = scheduler.schedule()  # position 6 needs a block each: b, the newest, is preempted
+    assert [g.request_id for g in ahead.preempted] == ["b"]
+    assert list(scheduler.waiting) == [b]
+    rows = [seq_id for item in in_flight.output.scheduled for seq_id in item.sample_seq_ids]
+    assert rows == [a.seqs[0].seq_id, b.seqs[0].seq_id]
+    scheduler.update(
+        in_flight, ModelRunnerOutput(rows, SamplerOutput([11, EOS], [0.0] * 2, [None] * 2))
+    )
+    assert b.is_finished and b.seqs[0].status is SequenceStatus.FINISHED_STOPPED
+    assert list(scheduler.waiting) == [] and scheduler.running == [a]
+    rows = [seq_id for item in ahead.output.scheduled for seq_id in item.sample_seq_ids]
+    scheduler.update(ahead, ModelRunnerOutput(rows, SamplerOutput([12], [0.0], [None])))
+    bm.check_invariants()
+    while scheduler.has_unfinished():
+        step(scheduler, bm)
+    assert a.seqs[0].num_output_tokens == 4 and b.seqs[0].num_output_tokens == 2
+    assert bm.num_free_blocks == 6
+
+
 def test_abort_frees_blocks_at_once_for_running_and_waiting_requests():
     scheduler, bm = make_scheduler(max_num_seqs=1)
     a = add(scheduler, "a", 9)
