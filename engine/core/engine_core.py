@@ -214,15 +214,17 @@ class EngineCore:
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """Stops a request and frees its blocks now; its final output (finish_reason "abort";
         a beam search reports its live beams), or None if unknown."""
-        group = self.scheduler.abort(request_id)
-        self._groups.pop(request_id, None)
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        self.scheduler.abort(group)
         self._sync_only.discard(request_id)
-        return None if group is None else final_output(group, [])
+        return final_output(group, [])
 
     def abort_sample(self, request_id: str, index: int) -> None:
         """Stops one sample (the front end matched a stop string and finished it already)."""
-        group = self.scheduler.abort_sample(request_id, index)
-        if group is not None:
+        group = self._groups.get(request_id)
+        if group is not None and self.scheduler.abort_sample(group, index):
             del self._groups[request_id]
             self._sync_only.discard(request_id)
 

@@ -136,33 +136,34 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
 
-    def abort(self, request_id: str) -> SequenceGroup | None:
-        """Finishes a request as aborted and frees its blocks at once; None if unknown."""
-        for queue in (self.waiting, self.running):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    for seq in group.unfinished_seqs:
-                        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                    return group
-        return None
+    def abort(self, group: SequenceGroup) -> None:
+        """Finishes a queued request (waiting or running) as aborted and frees its blocks at
+        once."""
+        self._dequeue(group)
+        for seq in group.unfinished_seqs:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
 
-    def abort_sample(self, request_id: str, index: int) -> SequenceGroup | None:
-        """Finishes sample `index` of a request (the front end matched one of its stop
-        strings) and frees its blocks; the request's other samples go on. Returns the group
-        if that was its last unfinished sample (it is then removed), else None."""
-        for queue in (self.running, self.waiting):
-            for group in queue:
-                if group.request_id != request_id:
-                    continue
-                for seq in group.unfinished_seqs:
-                    if seq.index == index:
-                        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                if not group.is_finished:
-                    return None
-                queue.remove(group)
-                return group
-        return None
+    def abort_sample(self, group: SequenceGroup, index: int) -> bool:
+        """Finishes sample `index` of a queued request (the front end matched one of its
+        stop strings) and frees its blocks; the request's other samples go on. Returns
+        whether that was its last unfinished sample (the request is then dequeued)."""
+        for seq in group.unfinished_seqs:
+            if seq.index == index:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not group.is_finished:
+            return False
+        self._dequeue(group)
+        return True
+
+    def _dequeue(self, group: SequenceGroup) -> None:
+        """Takes a group out of its queue. The caller holds the group (the engine core finds
+        it by request id), so only the queue's own scan remains, in C: a Python loop over
+        thousands of waiting requests per abort made a burst of disconnects stall the core.
+        """
+        if group in self.running:  # at most max_num_seqs groups
+            self.running.remove(group)
+        else:
+            self.waiting.remove(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

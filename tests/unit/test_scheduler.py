@@ -193,12 +193,13 @@ def test_abort_frees_blocks_at_once_for_running_and_waiting_requests():
     b = add(scheduler, "b", 3)
     step(scheduler, bm)
     assert bm.num_free_blocks == 15 - 3
-    assert scheduler.abort("a") is a
+    scheduler.abort(a)
     bm.check_invariants()
     assert bm.num_free_blocks == 15
     assert a.seqs[0].status is SequenceStatus.FINISHED_ABORTED
-    assert scheduler.abort("b") is b and not scheduler.has_unfinished()
-    assert scheduler.abort("missing") is None
+    scheduler.abort(b)
+    assert b.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert not scheduler.has_unfinished()
 
 
 def test_finished_sequences_give_back_their_blocks():
@@ -236,16 +237,17 @@ def test_the_cached_running_count_equals_a_recount_through_forks_preemption_and_
     mix of n > 1 forks, preemptions (few blocks), block-boundary decodes, finishes and an
     abort it equals a recount, and admission never runs more than max_num_seqs."""
     scheduler, bm = make_scheduler(num_blocks=10, block_size=4, budget=16, max_num_seqs=6)
+    groups = {}
     for i, (prompt_len, n, max_tokens) in enumerate(
         [(5, 1, 9), (3, 3, 6), (7, 1, 12), (2, 2, 10), (6, 1, 5), (4, 1, 14)]
     ):
-        add(scheduler, f"r{i}", prompt_len, n=n, max_tokens=max_tokens, seed=i)
+        groups[f"r{i}"] = add(scheduler, f"r{i}", prompt_len, n=n, max_tokens=max_tokens, seed=i)
     preempted = 0
     for index in range(200):
         if not scheduler.has_unfinished():
             break
         if index == 6:
-            assert scheduler.abort("r2") is not None
+            scheduler.abort(groups["r2"])
         out = step(scheduler, bm)
         preempted += len(out.preempted)
         recount = sum(g.num_unfinished_seqs for g in scheduler.running)
@@ -285,8 +287,8 @@ def test_a_prefill_interval_admits_at_most_every_n_steps_and_at_once_when_idle()
         [("a", 1), ("b", 1), ("c", 1)],
         [("a", 1), ("b", 1), ("c", 1), ("d", 2)],
     ]
-    for request_id in "abcd":
-        scheduler.abort(request_id)
+    for group in list(scheduler.running):
+        scheduler.abort(group)
     assert not scheduler.running
     add(scheduler, "e", 2, max_tokens=4)
     assert plan(step(scheduler, bm)) == [("e", 2)]  # idle again: no wait
