@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from http import HTTPStatus
 
 from octavo.engine.frontend.async_engine import AsyncEngine
@@ -23,10 +24,13 @@ class TokenizationServing:
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine = engine
         self.config = config
+        # When the served model came up: its card says the same on every request.
+        self._created = int(time.time())
 
     def model_card(self) -> ModelCard:
         return ModelCard(
             id=self.config.served_model_name,
+            created=self._created,
             root=self.config.model_root or self.config.served_model_name,
             max_model_len=self.engine.max_model_len,
         )

@@ -4,6 +4,7 @@ completion of the conversation as transformers renders it, token ids are the tok
 library's, model cards the checkpoint's config."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,15 @@ def test_models_are_the_checkpoints_card(http, tiny_model_dir):
     }
     missing = http.get("/v1/models/gpt-4")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_models_card_says_the_same_created_time_on_every_request(http, monkeypatch):
+    first = http.get(f"/v1/models/{MODEL_NAME}").json()
+    an_hour_later = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: an_hour_later)
+    again = http.get(f"/v1/models/{MODEL_NAME}").json()
+    (listed,) = http.get("/v1/models").json()["data"]
+    assert again["created"] == listed["created"] == first["created"]
 
 
 def test_tokenize_is_the_tokenizer_and_detokenize_inverts_it(http, tiny_model_dir):
