@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
@@ -18,8 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
-from octavo.server.errors import APIError, model_not_found
-from octavo.server.http_guards import BodySizeLimit, HostCheck
+from octavo.server.errors import APIError, internal_error, invalid_body, model_not_found
+from octavo.server.generation_routes import GenerationRoute, GenerationRoutes
+from octavo.server.http_guards import BodySizeLimit, HostCheck, check_api_key
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import (
     CompletionRequest,
@@ -37,7 +37,6 @@ from octavo.server.serving_chat import ChatServing
 from octavo.server.serving_completion import CompletionServing
 from octavo.server.serving_engine import ServerConfig
 from octavo.server.serving_tokenization import TokenizationServing
-from octavo.server.streaming import OuterSend
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +55,37 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         yield
         await engine.shutdown(config.shutdown_grace_seconds)
 
+    def authorize(request: Request) -> None:
+        if config.api_key is not None:
+            check_api_key(request.headers.get("authorization", ""), config.api_key)
+
+    async def require_api_key(request: Request) -> None:
+        authorize(request)
+
+    generation_routes = (
+        GenerationRoute(
+            "/v1/completions",
+            "completions",
+            CompletionRequest,
+            serving.create,
+            _COMPLETION_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+        ),
+        GenerationRoute(
+            "/v1/chat/completions",
+            "chat_completions",
+            ChatCompletionRequest,
+            chat.create,
+            _CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+        ),
+    )
     app = FastAPI(title="Octavo", lifespan=lifespan)
+    # Middleware added last runs first: the Host check, then the body limit, then the
+    # generating routes, then FastAPI's router for the rest.
+    app.add_middleware(GenerationRoutes, routes=generation_routes, authorize=authorize)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     if config.allowed_hosts is not None:  # a foreign Host gets nothing else
         app.add_middleware(HostCheck, allowed_hosts=config.allowed_hosts)
-    app.add_middleware(OuterSend)  # outermost of ours
     app.state.engine = engine
-
-    async def check_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # The scheme is case-insensitive (RFC 9110); the key compared in constant time.
-        valid = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), config.api_key.encode()
-        )
-        if not valid:
-            raise APIError(
-                HTTPStatus.UNAUTHORIZED, "Invalid or missing API key", code="invalid_api_key"
-            )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -82,16 +93,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            message = f"Malformed JSON body: {first.get('msg')}"
-            return APIError(HTTPStatus.BAD_REQUEST, message).response()
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        # A field refused by a model-level check names itself in the error's context.
-        ctx = first.get("ctx")
-        param = loc[0] if loc else (ctx.get("field") if isinstance(ctx, dict) else None)
-        message = f"{'.'.join(loc) or param or 'body'}: {first.get('msg')}"
-        return APIError(HTTPStatus.BAD_REQUEST, message, param=param).response()
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -100,9 +102,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return APIError(status, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def unhandled_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}").response()
+        return internal_error(exc).response()
 
     @app.get("/health", response_class=Response, responses=_HEALTH_RESPONSES)
     async def health() -> Response:
@@ -113,13 +115,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)], responses=_errors(400, 401))
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=_errors(400, 401))
     async def models() -> ModelList:
         return ModelList(data=[tokenization.model_card()])
 
     @app.get(
         "/v1/models/{model_id:path}",
-        dependencies=[Depends(check_api_key)],
+        dependencies=[Depends(require_api_key)],
         responses=_errors(400, 401, 404),
     )
     async def model(model_id: str) -> ModelCard:
@@ -127,12 +129,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise model_not_found(model_id)
         return tokenization.model_card()
 
-    @app.post("/tokenize", dependencies=[Depends(check_api_key)], responses=_errors(400, 401, 404))
+    @app.post(
+        "/tokenize", dependencies=[Depends(require_api_key)], responses=_errors(400, 401, 404)
+    )
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return tokenization.tokenize(request)
 
     @app.post(
-        "/detokenize", dependencies=[Depends(check_api_key)], responses=_errors(400, 401, 404)
+        "/detokenize", dependencies=[Depends(require_api_key)], responses=_errors(400, 401, 404)
     )
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.detokenize(request)
@@ -141,29 +145,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def version() -> VersionResponse:
         return VersionResponse(version=importlib.metadata.version("octavo"))
 
-    @app.post(
-        "/v1/completions",
-        dependencies=[Depends(check_api_key)],
-        response_model=None,
-        responses=_COMPLETION_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
-    )
-    async def completions(request: CompletionRequest, raw_request: Request):
-        return await serving.create(request, raw_request)
-
-    @app.post(
-        "/v1/chat/completions",
-        dependencies=[Depends(check_api_key)],
-        response_model=None,
-        responses=_CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
-    )
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
-        return await chat.create(request, raw_request)
-
     def openapi() -> dict[str, Any]:
         """FastAPI's document without the 422 it adds to every route with a body: this
         server answers validation errors with 400 (OpenAI's shape)."""
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            documented = app.routes + [route.openapi_route() for route in generation_routes]
+            schema = get_openapi(title=app.title, version=app.version, routes=documented)
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -60,3 +61,22 @@ def model_not_found(model: str) -> APIError:
         param="model",
         code="model_not_found",
     )
+
+
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The 400 of a request body that failed validation (pydantic's `errors()`), naming the
+    first offending field; malformed JSON says so."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return APIError(HTTPStatus.BAD_REQUEST, f"Malformed JSON body: {first.get('msg')}")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A field refused by a model-level check names itself in the error's context.
+    ctx = first.get("ctx")
+    param = loc[0] if loc else (ctx.get("field") if isinstance(ctx, dict) else None)
+    message = f"{'.'.join(loc) or param or 'body'}: {first.get('msg')}"
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
+def internal_error(exc: Exception) -> APIError:
+    """The 500 of an exception no handler expected (a server bug)."""
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}")

@@ -4,6 +4,7 @@ a connection's request headers (uvicorn has none)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 from http import HTTPStatus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,6 +43,19 @@ class HostCheck:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def check_api_key(authorization: str, api_key: str) -> None:
+    """Raises the 401 unless `authorization` (the header) is `Bearer <api_key>`: the scheme
+    case-insensitive (RFC 9110), the key compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    valid = scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+    if not valid:
+        raise APIError(
+            HTTPStatus.UNAUTHORIZED, "Invalid or missing API key", code="invalid_api_key"
+        )
 
 
 def body_too_large(max_bytes: int) -> APIError:

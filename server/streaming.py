@@ -10,26 +10,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 SSE_DONE = b"data: [DONE]\n\n"
-# Where `OuterSend` keeps, in a request's scope, the send that the middleware stack was
-# called with.
-OUTER_SEND = "octavo.outer_send"
-
-
-class OuterSend:
-    """Keeps the send it is called with in the scope (`OUTER_SEND`), for the events of an
-    `EventStreamResponse`: the exception handlers inside it wrap every send of a response
-    only to learn whether the response started, which the response's start, sent through
-    them, tells them once. Add it as the outermost middleware of the app's own."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[OUTER_SEND] = send
-        await self.app(scope, receive, send)
 
 
 class EventStreamResponse(Response):
@@ -37,13 +20,11 @@ class EventStreamResponse(Response):
     in one `send`.
 
     The items are written by a task of their own: a task wakes up through every coroutine
-    it awaits, and the route's task awaits some fifteen deep (uvicorn's cycle, the
-    middleware, the router), which every event would otherwise pay for. The route's task
+    it awaits, and the route's task awaits some ten deep (uvicorn's cycle, the middleware),
+    which every event would otherwise pay for. The route's task
     waits for the writer to end or for the client's `http.disconnect`, which cancels the
     writer. The event generator is closed however the response ends, at once (its `finally`
-    is what aborts the request in the engine), not left to the garbage collector. The
-    response's start goes through the app's send; its events through the outer send that
-    `OuterSend` kept, where there is one."""
+    is what aborts the request in the engine), not left to the garbage collector."""
 
     media_type = "text/event-stream"
 
@@ -55,7 +36,7 @@ class EventStreamResponse(Response):
         self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = asyncio.create_task(self._write(send, scope.get(OUTER_SEND, send)))
+        writer = asyncio.create_task(self._write(send))
         listener = asyncio.create_task(_disconnect(receive))
         try:
             await asyncio.wait((writer, listener), return_when=asyncio.FIRST_COMPLETED)
@@ -69,11 +50,11 @@ class EventStreamResponse(Response):
             await asyncio.gather(writer, listener, return_exceptions=True)
             await self._events.aclose()
 
-    async def _write(self, send: Send, body_send: Send) -> None:
+    async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async for chunk in self._events:
-            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _disconnect(receive: Receive) -> None:

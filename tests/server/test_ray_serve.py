@@ -30,6 +30,7 @@ NUM_BLOCKS = 4096  # of 8 tokens: room for the 64 x 256 tokens of the disconnect
 # machine's 2 cores are shared by every process anyway.
 RAY_CPUS = 4
 RECOVERY_TIMEOUT_S = 120
+STREAM_POLL_S = 0.01
 SHARED_PREFIXES = 3
 REQUESTS_PER_PREFIX = 6
 
@@ -190,11 +191,19 @@ def test_a_disconnected_stream_is_aborted_in_its_replica(ray_endpoint):
         assert stats.num_free_blocks == stats.num_usable_blocks
 
 
-async def stream_completion(client: httpx.AsyncClient, body: dict) -> tuple[str, int, list]:
-    """(replica, status, events) of one streamed completion."""
+async def stream_completion(
+    client: httpx.AsyncClient, body: dict, streaming: set[str]
+) -> tuple[str, int, list]:
+    """(replica, status, events) of one streamed completion; its replica joins `streaming`
+    when its first event arrives."""
     async with client.stream("POST", "/v1/completions", json=body) as response:
-        events = [line async for line in response.aiter_lines() if line.startswith("data:")]
-        return response.headers.get(REPLICA_HEADER, ""), response.status_code, events
+        replica = response.headers.get(REPLICA_HEADER, "")
+        events = []
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                streaming.add(replica)
+                events.append(line)
+        return replica, response.status_code, events
 
 
 def kill_replica_process(victim: ReplicaStats) -> None:
@@ -226,12 +235,21 @@ def test_a_failed_replica_loses_only_its_requests_and_comes_back(
     body = {"model": MODEL_NAME, "max_tokens": 200, "stream": True, "ignore_eos": True}
 
     async def load_then_fail() -> list:
+        streaming: set[str] = set()
         async with httpx.AsyncClient(base_url=ray_endpoint, timeout=120) as client:
             tasks = [
-                asyncio.ensure_future(stream_completion(client, body | {"prompt": f"{i} ="}))
+                asyncio.ensure_future(
+                    stream_completion(client, body | {"prompt": f"{i} ="}, streaming)
+                )
                 for i in range(24)
             ]
-            await asyncio.sleep(1.0)  # streams under way on both replicas
+            # The fault comes while streams are under way on both replicas: after a fixed
+            # pause, a fast machine could have finished every stream already.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + RECOVERY_TIMEOUT_S
+            while streaming != set(before):
+                assert loop.time() < deadline, f"streams never began on both: {streaming}"
+                await asyncio.sleep(STREAM_POLL_S)
             fault(before[victim])
             return await asyncio.wait_for(asyncio.gather(*tasks), RECOVERY_TIMEOUT_S)
 
