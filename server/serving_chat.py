@@ -29,7 +29,7 @@ from octavo.server.serving_engine import (
     EngineServing,
     PromptAndParams,
     engine_error,
-    unless_disconnected,
+    json_unless_disconnected,
     usage,
 )
 from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta, jsonable
@@ -64,12 +64,8 @@ class ChatServing(EngineServing):
         if request.stream:
             body = self._stream(request_id, request, prompts, streams)
             return EventStreamResponse(body)
-        result = await unless_disconnected(
-            raw_request, self._complete(request_id, request, prompts, streams)
-        )
-        if result is None:  # nobody is listening; the request is aborted
-            return Response(status_code=HTTPStatus.NO_CONTENT)
-        return JSONResponse(result.model_dump())
+        completion = self._complete(request_id, request, prompts, streams)
+        return await json_unless_disconnected(raw_request, completion)
 
     def _check_supported(self, request: ChatCompletionRequest) -> None:
         self.check_request(request, num_prompts=1)

@@ -23,7 +23,7 @@ from octavo.server.serving_engine import (
     EngineServing,
     PromptAndParams,
     engine_error,
-    unless_disconnected,
+    json_unless_disconnected,
     usage,
 )
 from octavo.server.stream_chunks import CompletionChunk, CompletionChunkChoice, jsonable
@@ -51,10 +51,7 @@ class CompletionServing(EngineServing):
             body = self._stream(request_id, request, prompts, streams)
             return EventStreamResponse(body)
         completion = self._complete(request_id, request, prompts, streams)
-        result = await unless_disconnected(raw_request, completion)
-        if result is None:  # nobody is listening; the requests are aborted
-            return Response(status_code=HTTPStatus.NO_CONTENT)
-        return JSONResponse(result.model_dump())
+        return await json_unless_disconnected(raw_request, completion)
 
     # -- validation --------------------------------------------------------------------------
 

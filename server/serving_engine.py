@@ -4,15 +4,16 @@ parameters, submission, the merged output streams and the error contract."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response
 
 from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.async_engine import (
@@ -41,7 +42,6 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps each logit_bias value to [-100, 100]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 PromptAndParams = tuple[ProcessedPrompt, SamplingParams | BeamSearchParams]
 
 
@@ -379,27 +379,37 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}")
 
 
-async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | None:
-    """Awaits `work` while listening for the client's disconnect (the body has been read,
-    so the next ASGI message is http.disconnect); a disconnect cancels `work` (closing its
-    output streams aborts their requests) and returns None."""
-    task = asyncio.ensure_future(work)
+async def json_unless_disconnected(raw_request: Request, work: Awaitable[BaseModel]) -> Response:
+    """The JSON response of what `work` returns, awaited while listening for the client's
+    disconnect (the body has been read, so the next ASGI message is http.disconnect). A
+    disconnect cancels `work`, whose closed output streams abort their requests, and gets a
+    204: nobody reads it.
 
-    async def disconnected() -> None:
+    `work` runs in this task, which the listener cancels: no task for `work`, no
+    `asyncio.wait` over the two, on every request."""
+    task = asyncio.current_task()
+    assert task is not None, "called from a task (a request's)"
+    disconnected = False
+
+    async def listen() -> None:
+        nonlocal disconnected
         while (await raw_request.receive())["type"] != "http.disconnect":
             pass
+        disconnected = True
+        task.cancel()
 
-    listener = asyncio.ensure_future(disconnected())
+    listener = asyncio.ensure_future(listen())
     try:
-        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if not disconnected:  # cancelled from elsewhere (a shutdown): not this function's
+            raise
+        task.uncancel()
+        return Response(status_code=HTTPStatus.NO_CONTENT)
     finally:
         listener.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
+    # pydantic serializes in Rust, with no dict built first for json.dumps.
+    return Response(result.model_dump_json(), media_type="application/json")
 
 
 def usage(prompts: list[PromptAndParams], completion_tokens: int, cached_tokens: int) -> Usage:

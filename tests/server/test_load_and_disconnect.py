@@ -2,7 +2,9 @@
 
 import asyncio
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -46,6 +48,27 @@ def test_a_client_that_disconnects_mid_stream_frees_everything(server):
     assert metrics["octavo:num_requests_running"] == 0, metrics
     assert metrics["octavo:kv_cache_usage_perc"] == 0, metrics
     assert time.monotonic() - closed < 2.0
+
+
+def test_a_client_that_leaves_before_its_plain_response_frees_everything(server):
+    """A non-streaming request is aborted when its client leaves: it does not run to
+    max_tokens for nobody."""
+    generated = server.metrics()["octavo:generation_tokens_total"]
+    body = json.dumps(LONG | {"stream": False, "max_tokens": 240}).encode()
+    url = urlsplit(server.base_url)
+    with socket.create_connection((url.hostname, url.port)) as client:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        client.sendall(head.encode() + body)
+        deadline = time.monotonic() + 10
+        while server.metrics()["octavo:num_requests_running"] == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+    metrics = wait_for_idle(server, timeout=2.0)
+    assert metrics["octavo:num_requests_running"] == 0, metrics
+    assert metrics["octavo:kv_cache_usage_perc"] == 0, metrics
+    assert metrics["octavo:generation_tokens_total"] - generated < 240
 
 
 async def stream_one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:

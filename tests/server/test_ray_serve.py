@@ -192,16 +192,17 @@ def test_a_disconnected_stream_is_aborted_in_its_replica(ray_endpoint):
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, body: dict, streaming: set[str]
+    client: httpx.AsyncClient, body: dict, streaming: list[str]
 ) -> tuple[str, int, list]:
-    """(replica, status, events) of one streamed completion; its replica joins `streaming`
-    when its first event arrives."""
+    """(replica, status, events) of one streamed completion; its replica is appended to
+    `streaming` when its first event arrives."""
     async with client.stream("POST", "/v1/completions", json=body) as response:
         replica = response.headers.get(REPLICA_HEADER, "")
-        events = []
+        events: list[str] = []
         async for line in response.aiter_lines():
             if line.startswith("data:"):
-                streaming.add(replica)
+                if not events:
+                    streaming.append(replica)
                 events.append(line)
         return replica, response.status_code, events
 
@@ -235,7 +236,7 @@ def test_a_failed_replica_loses_only_its_requests_and_comes_back(
     body = {"model": MODEL_NAME, "max_tokens": 200, "stream": True, "ignore_eos": True}
 
     async def load_then_fail() -> list:
-        streaming: set[str] = set()
+        streaming: list[str] = []
         async with httpx.AsyncClient(base_url=ray_endpoint, timeout=120) as client:
             tasks = [
                 asyncio.ensure_future(
@@ -243,12 +244,13 @@ def test_a_failed_replica_loses_only_its_requests_and_comes_back(
                 )
                 for i in range(24)
             ]
-            # The fault comes while streams are under way on both replicas: after a fixed
-            # pause, a fast machine could have finished every stream already.
+            # The fault comes once every stream is under way (on both replicas): after a
+            # fixed pause, a fast machine could have finished them all, and a request still
+            # being routed could be refused by the ingress, on no replica.
             loop = asyncio.get_running_loop()
             deadline = loop.time() + RECOVERY_TIMEOUT_S
-            while streaming != set(before):
-                assert loop.time() < deadline, f"streams never began on both: {streaming}"
+            while len(streaming) < len(tasks) or set(streaming) != set(before):
+                assert loop.time() < deadline, f"streams under way: {streaming}"
                 await asyncio.sleep(STREAM_POLL_S)
             fault(before[victim])
             return await asyncio.wait_for(asyncio.gather(*tasks), RECOVERY_TIMEOUT_S)
