@@ -10,10 +10,12 @@ tokenizer detokenizing every token) pinned to CPU 0; the stand-in core and the c
 (raw-socket streams, in separate processes, see serving_throughput.py) are pinned to the
 other CPUs, so the figure is what one core of API process does. When the clients read
 slower than tokens arrive, pending deltas merge into one event: tokens per event is
-reported.
+reported. API CPU per request is reported too: with a few tokens per request, and
+`--unstreamed` for plain responses, it is what admitting a burst of requests costs.
 
     .venv/bin/python benchmarks/api_throughput.py --concurrency 64 256
     .venv/bin/python benchmarks/api_throughput.py --concurrency 256 --step-ms 10
+    .venv/bin/python benchmarks/api_throughput.py --concurrency 256 --output-len 2 --unstreamed
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-procs", type=int, default=1)
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="the stand-in core's least time per step (0: no pause)")  # fmt: skip
+    parser.add_argument("--unstreamed", action="store_true",
+                        help="plain responses: each request's cost without its events")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", type=Path, default=None)
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
@@ -189,7 +193,8 @@ def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int)
     cmd += ["--step-ms", str(args.step_ms)]
     with running_server(cmd + ["--concurrency", str(concurrency)], port) as server:
         run = argparse.Namespace(**{**vars(args), "num_requests": concurrency})
-        bodies = serving_throughput.bodies(serving_throughput.make_requests(run, vocab))
+        requests = serving_throughput.make_requests(run, vocab)
+        bodies = serving_throughput.bodies(requests, stream=not args.unstreamed)
         run_clients(port, bodies[:2], 1, _other_cpus())  # warm-up
         cpu_before = process_cpu_seconds(server.pid)
         result = run_clients(port, bodies, args.client_procs, _other_cpus())
@@ -202,8 +207,11 @@ def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int)
         **result,
         "api_cpu_s": api_cpu,
         "api_cpu_us_per_token": api_cpu / tokens * 1e6 if tokens else None,
+        "api_cpu_us_per_request": api_cpu / concurrency * 1e6,
         # Every stream ends with its usage event and [DONE]: the others carry tokens.
-        "tokens_per_event": tokens / max(result["events"] - 2 * concurrency, 1),
+        "tokens_per_event": (
+            None if args.unstreamed else tokens / max(result["events"] - 2 * concurrency, 1)
+        ),
     }
 
 
@@ -226,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{run['concurrency']:>4} streams: {run['tokens_per_s']:>9,.0f} tok/s, "
             f"API CPU {run['api_cpu_us_per_token']:.1f} us/token, "
-            f"{run['tokens_per_event']:.1f} tokens/event, failed {run['failed']}, "
+            f"{run['api_cpu_us_per_request']:.0f} us/request, "
+            + ("" if args.unstreamed else f"{run['tokens_per_event']:.1f} tokens/event, ")
+            + f"failed {run['failed']}, "
             f"client CPU {run['client_cpu_share_of_a_core']:.0%} of a core"
         )
     result = {
@@ -238,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "step_ms": args.step_ms,
+            "streamed": not args.unstreamed,
         },
         "runs": runs,
     }

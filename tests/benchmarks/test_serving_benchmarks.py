@@ -73,10 +73,22 @@ def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):
     (only,) = result["runs"]
     assert only["failed"] == 0 and only["completion_tokens"] == 60
     assert only["api_cpu_us_per_token"] == pytest.approx(only["api_cpu_s"] / 60 * 1e6)
+    assert only["api_cpu_us_per_request"] == pytest.approx(only["api_cpu_s"] / 3 * 1e6)
     # Events that carry tokens: each stream's usage event and [DONE] carry none.
     assert only["tokens_per_event"] == pytest.approx(60 / (only["events"] - 2 * 3))
     assert only["tokens_per_s"] == pytest.approx(60 / only["wall_s"])
     assert result["commit"] == short_commit()
+
+
+def test_api_throughput_answers_plain_responses_unstreamed(tmp_path):
+    result = run(
+        "api_throughput.py", tmp_path / "a.json",
+        "--concurrency", "3", "--prompt-len", "4", "--output-len", "2", "--unstreamed",
+    )  # fmt: skip
+    (only,) = result["runs"]
+    assert only["failed"] == 0 and only["completion_tokens"] == 6
+    assert only["events"] == 0 and only["tokens_per_event"] is None
+    assert result["workload"]["streamed"] is False
 
 
 def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path):
