@@ -143,11 +143,13 @@ def run_clients(
         if proc.wait() != 0:
             raise RuntimeError(f"a load client exited with {proc.returncode}")
         gathered.append(pickle.loads(out))
-    wall = max(g[3] for g in gathered) - min(g[2] for g in gathered)
+    began = min(g[2] for g in gathered)
+    wall = max(g[3] for g in gathered) - began
     outcomes = [o for g in gathered for o in g[0]]
     tokens = sum(o[0] for o in outcomes)
     client_cpu = sum(g[1] for g in gathered)
     return {
+        "began": began,  # time.time() of the first request sent
         "wall_s": wall,
         "completion_tokens": tokens,
         "events": sum(o[2] for o in outcomes),

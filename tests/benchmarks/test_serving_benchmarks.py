@@ -133,6 +133,20 @@ def test_socket_floor_sends_every_event_in_every_mode(tmp_path):
     assert result["commit"] == short_commit()
 
 
+def test_burst_floor_times_every_request_of_every_burst(tmp_path):
+    result = run(
+        "burst_floor.py", tmp_path / "b.json", "--num-requests", "5", "--repeats", "2",
+        "--client-procs", "2",
+    )  # fmt: skip
+    assert result["workload"]["num_requests"] == 5 and len(result["runs"]) == 2
+    for one in result["runs"]:
+        # Every request arrived (or the script fails), after the first send and before the
+        # client had its response.
+        assert 0 < one["first_arrival_ms"] <= one["last_arrival_ms"] < one["client_wall_ms"]
+        assert one["client_cpu_ms"] > 0
+    assert result["commit"] == short_commit()
+
+
 def test_startup_times_each_start_to_ready_and_to_a_completion(tmp_path):
     result = run("startup.py", tmp_path / "t.json", "--runs", "1")
     ((name, now),) = result["checkouts"].items()
