@@ -160,6 +160,9 @@ serve)
     step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
         --dtype float16 --num-requests 4096 --modes streamed unstreamed interval8 api2 \
         --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
+    # How soon the same burst reaches a server that does nothing: the served runs' floor.
+    step burst_floor_gpt2 "$python" benchmarks/burst_floor.py --preset gpt2 \
+        --num-requests 4096 --client-procs 4 --result-file "$out/burst_floor_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     latency default "1 4 16 64"
     ;;
@@ -254,6 +257,9 @@ serve_compare)
         --device cuda --dtype float16 --num-requests 1024 --modes streamed unstreamed \
         --before-root "$before" --before-modes streamed unstreamed --client-procs 4 \
         --repeats 3 --result-file "$out/serving_throughput_gpt2_compare.json"
+    # How soon the same burst reaches a server that does nothing: the served runs' floor.
+    step burst_floor_gpt2 "$python" benchmarks/burst_floor.py --preset gpt2 \
+        --num-requests 1024 --client-procs 4 --result-file "$out/burst_floor_gpt2.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
