@@ -21,10 +21,10 @@ class EventStreamResponse(Response):
 
     The items are written by a task of their own: a task wakes up through every coroutine
     it awaits, and the route's task awaits some ten deep (uvicorn's cycle, the middleware),
-    which every event would otherwise pay for. The route's task
-    waits for the writer to end or for the client's `http.disconnect`, which cancels the
-    writer. The event generator is closed however the response ends, at once (its `finally`
-    is what aborts the request in the engine), not left to the garbage collector."""
+    which every event would otherwise pay for. The route's task waits for the writer to end
+    or for the client's `http.disconnect`, which cancels the writer. The event generator is
+    closed however the response ends, at once (its `finally` is what aborts the request in
+    the engine), not left to the garbage collector."""
 
     media_type = "text/event-stream"
 
