@@ -156,6 +156,9 @@ def run_clients(
         "failed": sum(not o[1] for o in outcomes),
         "tokens_per_s": tokens / wall,
         "ttft_median_s": statistics.median(o[3] for o in outcomes),
+        # Streamed, the last stream's first event: when a burst's last request had been
+        # admitted and had its first step.
+        "ttft_max_s": max(o[3] for o in outcomes),
         "cached_prompt_tokens": sum(o[4] for o in outcomes),
         "client_cpu_s": client_cpu,
         "client_cpu_share_of_a_core": client_cpu / wall,

@@ -77,6 +77,7 @@ def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):
     # Events that carry tokens: each stream's usage event and [DONE] carry none.
     assert only["tokens_per_event"] == pytest.approx(60 / (only["events"] - 2 * 3))
     assert only["tokens_per_s"] == pytest.approx(60 / only["wall_s"])
+    assert 0 < only["ttft_median_s"] <= only["ttft_max_s"] < only["wall_s"]
     assert result["commit"] == short_commit()
 
 
