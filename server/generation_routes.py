@@ -109,6 +109,8 @@ class GenerationRoutes:
                 data = json.loads(await request.body())
             except ValueError as exc:  # not JSON, or not in a Unicode encoding
                 raise APIError(HTTPStatus.BAD_REQUEST, f"Malformed JSON body: {exc}") from exc
+            except RecursionError as exc:  # json recurses once per level of nesting
+                raise APIError(HTTPStatus.BAD_REQUEST, "JSON body nested too deeply") from exc
             try:
                 body = route.request_model.model_validate(data)
             except ValidationError as exc:

@@ -65,6 +65,7 @@ def test_other_paths_reach_the_app(client):
         (b'{"word": "ab"', None),
         (b"\xff\xfe\xfa", None),
         (b"[1, 2]", None),
+        (b"[" * 100_000 + b"]" * 100_000, None),  # deeper than json can recurse
     ],
 )
 def test_a_bad_body_is_an_openai_shaped_400(client, content, param):

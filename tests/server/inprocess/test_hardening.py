@@ -88,6 +88,33 @@ def test_bad_values_are_400_naming_the_field_never_500(http, raw, param):
         assert_error(post(http, raw[:-1] + b', "stream": true}'), 400, param)
 
 
+@pytest.mark.parametrize("depth", [900, 5000])  # within json's recursion limit, and past it
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"model": "tiny", "prompt": DEEP_ARRAY}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "guided_json": DEEP_OBJECT}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": DEEP_OBJECT}'),
+        (
+            "/v1/completions",
+            b'{"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", '
+            b'"json_schema": {"name": "s", "schema": DEEP_OBJECT}}}',
+        ),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": DEEP_ARRAY}'),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny", "messages": [{"role": "user", "content": DEEP_ARRAY}]}',
+        ),
+    ],
+)
+def test_deeply_nested_bodies_are_400_never_500(http, path, body, depth):
+    deep_array = b"[" * depth + b"1" + b"]" * depth
+    deep_object = b'{"a": ' * depth + b"1" + b"}" * depth
+    raw = body.replace(b"DEEP_ARRAY", deep_array).replace(b"DEEP_OBJECT", deep_object)
+    response = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_error(response, 400)
+
+
 def test_null_means_the_default_and_unknown_fields_are_ignored(http):
     nulls = {
         "temperature": None, "top_p": None, "n": None, "stream": None, "stop": None,
