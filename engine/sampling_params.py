@@ -10,8 +10,9 @@ from functools import cached_property
 from octavo.engine.errors import ParameterError
 from octavo.engine.structured_outputs import StructuredOutputsParams
 
-# A seed is a signed 64-bit integer, as in vLLM (a request's samples use seed + index).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The integer parameters the sampler keeps in int64 columns (seed, as in vLLM, and top_k)
+# must fit one: a larger top_k would fail the step of every request in its batch.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _is_int(value: object) -> bool:
@@ -146,7 +147,7 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         if self.seed is not None and (
-            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
         ):
             raise ParameterError(
                 "seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}"
@@ -170,8 +171,10 @@ class SamplingParams:
             raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k):
-            raise ParameterError("top_k", f"top_k must be an integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not INT64_MIN <= self.top_k <= INT64_MAX:
+            raise ParameterError(
+                "top_k", f"top_k must be an integer in [-2**63, 2**63 - 1], got {self.top_k!r}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

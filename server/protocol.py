@@ -21,6 +21,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from octavo.engine.errors import ParameterError
+from octavo.engine.sampling_params import INT64_MAX, INT64_MIN
 from octavo.engine.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries: bounded at the edge like every list a request carries
 MAX_BAD_WORDS = 64
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # Fields of vLLM's CompletionRequest that Octavo does not implement yet: a request that sets
 # one gets a 400 naming it rather than an answer that silently ignored it.
 UNSUPPORTED_VLLM_FIELDS = (
@@ -65,9 +65,9 @@ def _integral_float_to_int(value: Any) -> Any:
 _INTEGRAL = BeforeValidator(_integral_float_to_int)
 PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
 NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
-TopK = Annotated[int, Field(ge=-1), _INTEGRAL]
+TopK = Annotated[int, Field(ge=-1, le=INT64_MAX), _INTEGRAL]
 LogprobsCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL]
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _INTEGRAL]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _INTEGRAL]
 TokenId = NonNegativeInt
 
 

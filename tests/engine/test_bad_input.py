@@ -20,6 +20,9 @@ from tests.engine.helpers import hf_greedy
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": -1}, "logprobs"),
         ({"stop": [""]}, "stop"),
+        ({"top_k": 2**63}, "top_k"),  # the sampler's int64 column cannot hold it
+        ({"top_k": -(2**63) - 1}, "top_k"),
+        ({"seed": 2**63}, "seed"),
     ],
 )
 def test_invalid_sampling_params_name_the_parameter(kwargs, name):

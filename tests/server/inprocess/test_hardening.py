@@ -38,6 +38,22 @@ def test_out_of_range_seeds_are_400_and_the_engine_lives(app_server, http, seed,
     assert_still_serving(app_server)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("top_k", [2**63, 2**70])
+def test_top_k_past_int64_is_400_and_the_engine_lives(app_server, http, top_k, stream):
+    # Once taken, it failed the first step it ran in: the engine core died with it.
+    response = post(http, GOOD | {"top_k": top_k, "temperature": 1.0, "stream": stream})
+    assert_error(response, 400, "top_k")
+    assert_still_serving(app_server)
+
+
+def test_the_largest_top_k_keeps_every_token(http):
+    # Any top_k from the vocabulary's size up filters nothing: the same draw as no top_k.
+    body = GOOD | {"temperature": 1.0, "seed": 3, "max_tokens": 8}
+    texts = [post(http, body | {"top_k": k}).json()["choices"][0]["text"] for k in (0, 2**63 - 1)]
+    assert texts[0] == texts[1]
+
+
 def test_the_largest_seeds_with_parallel_samples_work(http):
     for seed in (2**63 - 1, -(2**63)):
         response = post(http, GOOD | {"n": 4, "seed": seed, "temperature": 1.0})
