@@ -67,12 +67,22 @@ class GenerationRoute:
         )
 
 
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type header names JSON: application/json or application/*+json,
+    parameters (charset) aside."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
 class GenerationRoutes:
     """ASGI middleware: answers every request to a `GenerationRoute`'s path (a method
     other than POST: 405), and passes every other request to the app.
 
     `authorize(request)` raises the APIError of a request that may not generate (the API
-    key). An APIError raised before the response starts is its response; a body that fails
+    key). A body that is not JSON by its Content-Type is refused, as FastAPI refuses it. An
+    APIError raised before the response starts is its response; a body that fails
     validation is a 400 naming the field; any other exception is logged and a 500.
     """
 
@@ -103,6 +113,10 @@ class GenerationRoutes:
                     headers={"Allow": "POST"},
                 )
             self.authorize(request)
+            if not is_json(request.headers.get("content-type", "")):
+                # As FastAPI refuses it: a browser sends other types across origins without
+                # asking first (a "simple" request), JSON only after a CORS preflight.
+                raise APIError(HTTPStatus.BAD_REQUEST, "Content-Type must be application/json")
             try:
                 # json, not pydantic's parser: it takes what FastAPI's does (NaN, lone
                 # surrogates), which then fail validation naming their field.

@@ -75,6 +75,28 @@ def test_a_bad_body_is_an_openai_shaped_400(client, content, param):
         assert error["message"].startswith("Malformed JSON body")
 
 
+@pytest.mark.parametrize(
+    ("content_type", "accepted"),
+    [
+        ("application/json", True),
+        ("Application/JSON; charset=utf-8", True),
+        ("application/vnd.api+json", True),
+        (None, False),
+        ("text/plain", False),  # what a page on another origin may send without asking
+        ("application/x-www-form-urlencoded", False),
+        ("application/jsonp", False),
+    ],
+)
+def test_only_a_json_content_type_is_parsed(client, content_type, accepted):
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = client.post("/echo", content=b'{"word": "ab"}', headers=headers)
+    if accepted:
+        assert response.json()["echo"] == "ab"
+    else:
+        error = assert_error(response, 400)
+        assert "Content-Type" in error["message"]
+
+
 def test_the_handlers_api_error_is_its_response(client):
     assert_error(client.post("/echo", json={"word": "refuse"}), 404, "word")
 
