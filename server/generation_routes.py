@@ -77,8 +77,9 @@ def is_json(content_type: str) -> bool:
 
 
 class GenerationRoutes:
-    """ASGI middleware: answers every request to a `GenerationRoute`'s path (a method
-    other than POST: 405), and passes every other request to the app.
+    """ASGI middleware: answers every request to a `GenerationRoute`'s path, with or without
+    a trailing slash (a method other than POST: 405), and passes every other request to the
+    app.
 
     `authorize(request)` raises the APIError of a request that may not generate (the API
     key). A body that is not JSON by its Content-Type is refused, as FastAPI refuses it. An
@@ -97,7 +98,8 @@ class GenerationRoutes:
         self.authorize = authorize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        # A trailing slash names the same route (FastAPI redirected it there).
+        route = self.routes.get(scope["path"].rstrip("/")) if scope["type"] == "http" else None
         if route is None:
             await self.app(scope, receive, send)
             return

@@ -52,6 +52,10 @@ def test_a_valid_body_reaches_the_handler_validated(client):
     assert response.json() == {"echo": "ababab", "path": "/echo"}
 
 
+def test_a_trailing_slash_names_the_same_route(client):
+    assert client.post("/echo/", json={"word": "ab"}).json() == {"echo": "ab", "path": "/echo/"}
+
+
 def test_other_paths_reach_the_app(client):
     assert client.get("/other").json() == {"other": True}
 
