@@ -14,6 +14,10 @@ if TYPE_CHECKING:  # the penalties module imports the sampler, which imports thi
     from octavo.engine.worker.penalties import PenaltyCounts
 
 NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
+# The largest value a float32 column holds. A larger finite parameter (temperature 1e308: every
+# token alike) would become inf there, and inf against a masked token's -inf logit is NaN,
+# which the draw then picks: the column keeps this instead, which means the same.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class _Column:
@@ -159,13 +163,13 @@ class _Columns:
         self.plain_greedy[slot] = params.is_plain_greedy
         self.processes_logits[slot] = params.processes_logits
         self.penalized[slot] = params.has_penalties
-        self.repetition_penalty[slot] = params.repetition_penalty
+        self.repetition_penalty[slot] = min(params.repetition_penalty, FLOAT32_MAX)
         self.frequency_penalty[slot] = params.frequency_penalty
         self.presence_penalty[slot] = params.presence_penalty
         self.seeded[slot] = state.generator is not None
         self.constrained[slot] = state.matcher is not None
         self.num_sampled[slot] = 0
-        self.temperature[slot] = params.temperature
+        self.temperature[slot] = min(params.temperature, FLOAT32_MAX)
         self.top_k[slot] = params.top_k
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p

@@ -148,3 +148,22 @@ def test_bad_words_past_the_models_vocabulary_are_refused(tiny_model_dir):
     with pytest.raises(ParameterError) as raised:
         processor.process_inputs([1, 2], SamplingParams(bad_words=["definition"]))
     assert raised.value.param == "bad_words"
+
+
+@pytest.mark.parametrize("huge", [{"temperature": 1e308}, {"repetition_penalty": 1e308}])
+def test_a_parameter_past_float32_keeps_the_masks(engine, prompts, huge):
+    # A finite value past float32's range became inf in the sampler's float32 column, and
+    # inf against a masked token's -inf (or a zero logit) is NaN, which the draw picked:
+    # token 0, outside the allowed ones, every time.
+    allowed = [300, 301, 302]
+    params = SamplingParams(
+        temperature=1e308 if "temperature" in huge else 1.0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        allowed_token_ids=allowed,
+        seed=5,
+        repetition_penalty=huge.get("repetition_penalty", 1.0),
+    )
+    tokens = [t for o in run_to_completion(engine, prompts, params) for t in o.outputs[0].token_ids]
+    assert set(tokens) <= set(allowed)
+    assert len(set(tokens)) > 1  # sampled, not stuck on one token

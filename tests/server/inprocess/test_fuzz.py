@@ -6,6 +6,7 @@ every chat field; the schemathesis run over /openapi.json is in tests/server/tes
 import json
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,6 +97,31 @@ SMALL_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"
 @given(changes=st.dictionaries(st.sampled_from(CHAT_FIELDS), CHAT_VALUES, min_size=1, max_size=4))
 def test_no_chat_request_gets_a_server_error(http, changes):
     check_answer(post_raw(http, "/v1/chat/completions", encode(SMALL_CHAT | changes)), changes)
+
+
+# The values at the edges of what JSON and int64 can say: every field gets each one alone,
+# where the property tests above draw them only now and then (top_k = 2**63 once killed the
+# engine core and no drawn example had tried it).
+EXTREMES = [
+    None, True, -1, 0, 2**63 - 1, 2**63, -(2**63) - 1, 2**70, 1e308, -1e308, float("nan"),
+    float("inf"), "\ud800", "", [], {}, [2**63], {str(2**63): 1.0}, [[2**63]],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "base", "fields"),
+    [("/v1/completions", SMALL, FIELDS), ("/v1/chat/completions", SMALL_CHAT, CHAT_FIELDS)],
+    ids=["completions", "chat"],
+)
+def test_every_field_takes_every_extreme_value_without_a_server_error(
+    app_server, http, path, base, fields
+):
+    for field in fields:
+        for value in EXTREMES:
+            changes = {field: value}
+            check_answer(post_raw(http, path, encode(base | changes)), changes)
+    response = http.post("/v1/completions", json=SMALL)  # the engine lives on
+    assert response.status_code == 200, response.text
 
 
 def test_the_server_is_idle_and_serving_after_the_fuzzing(app_server, http):
