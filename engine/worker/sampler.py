@@ -153,7 +153,10 @@ class Sampler:
         if params.logit_bias:
             tokens = on_device(list(params.logit_bias), row.device)
             bias = on_device(list(params.logit_bias.values()), row.device, row.dtype)
-            row = row.index_add(0, tokens, bias)
+            # A bias past the logits' dtype (1e308: this token, always) would add inf, and
+            # inf - inf is the NaN the draw then picks: the dtype's largest is as decisive.
+            largest = torch.finfo(row.dtype).max
+            row = row.index_add(0, tokens, bias.clamp(-largest, largest))
         return row
 
     @staticmethod

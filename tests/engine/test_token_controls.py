@@ -167,3 +167,18 @@ def test_a_parameter_past_float32_keeps_the_masks(engine, prompts, huge):
     tokens = [t for o in run_to_completion(engine, prompts, params) for t in o.outputs[0].token_ids]
     assert set(tokens) <= set(allowed)
     assert len(set(tokens)) > 1  # sampled, not stuck on one token
+
+
+def test_a_logit_bias_past_float32_forces_its_tokens(engine, prompts):
+    # A bias of 1e308 added inf to the logits, and inf - inf in the softmax is NaN, which the
+    # draw picked (token 0): now it is float32's largest, which forces the token as surely.
+    params = [
+        SamplingParams(
+            temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i, logit_bias=bias
+        )
+        for i, bias in enumerate([{300: 1e308}, {300: 1e308, 301: 1e308}] * 3)
+    ]
+    outputs = run_to_completion(engine, prompts, params)
+    assert all(set(o.outputs[0].token_ids) == {300} for o in outputs[0::2])
+    both = [t for o in outputs[1::2] for t in o.outputs[0].token_ids]
+    assert set(both) == {300, 301}
