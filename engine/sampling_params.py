@@ -13,6 +13,9 @@ from octavo.engine.structured_outputs import StructuredOutputsParams
 # The integer parameters the sampler keeps in int64 columns (seed, as in vLLM, and top_k)
 # must fit one: a larger top_k would fail the step of every request in its batch.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A temperature below this samples greedily, as in vLLM: a draw at such a temperature is the
+# argmax anyway, and dividing logits by a smaller one overflows float32.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -68,7 +71,8 @@ class RequestOutputKind(Enum):
 class SamplingParams:
     """How to pick the next tokens of one request.
 
-    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature 0 (or below MIN_SAMPLING_TEMPERATURE) is greedy. top_k <= 0 and top_p == 1
+    and min_p == 0 disable those filters.
     Penalties follow vLLM: repetition_penalty (>1 discourages) acts on prompt and output tokens,
     presence/frequency penalties on output tokens only. `seed` gives the request its own random
     generator, so its tokens do not depend on what else is batched with it. `logprobs=N` returns
@@ -251,14 +255,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @cached_property
     def is_plain_greedy(self) -> bool:
         """Greedy, with no log-probabilities and nothing that changes the logits: the
         sampler's fast path. Cached: the sampler asks for every row of every step."""
         return (
-            self.temperature == 0.0
+            self.greedy
             and self.logprobs is None
             and not self.ranks_samples
             and not self.processes_logits

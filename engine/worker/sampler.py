@@ -179,7 +179,10 @@ class Sampler:
     ) -> torch.Tensor:
         """Draws the tokens of rows `rows` of `batch` (logits: theirs alone, in order)."""
         temperatures = on_device(batch.temperature[rows], logits.device)
-        logits = logits / temperatures[:, None]
+        # Biases and penalties can push a logit to inf here (a forced token over a low
+        # temperature), and inf - inf in a softmax is NaN: the largest finite value forces it
+        # as surely.
+        logits = (logits / temperatures[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
         min_p, top_k, top_p = batch.min_p[rows], batch.top_k[rows], batch.top_p[rows]
         if (min_p > 0.0).any():
             logits = apply_min_p(logits, min_p)
@@ -245,5 +248,7 @@ def apply_top_k_top_p(
     mass_before = probs.cumsum(dim=-1) - probs
     # Rows with top_p == 1 must keep everything: rounding can push mass_before to 1.0.
     p = on_device(np.where(top_p < 1.0, top_p, np.inf), logits.device)
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+    # The top token stays whatever top_p is (one too small for float32 reads as 0).
+    past = (mass_before >= p[:, None]) & (ranks[None, :] > 0)
+    sorted_logits = sorted_logits.masked_fill(past, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -150,23 +150,38 @@ def test_bad_words_past_the_models_vocabulary_are_refused(tiny_model_dir):
     assert raised.value.param == "bad_words"
 
 
-@pytest.mark.parametrize("huge", [{"temperature": 1e308}, {"repetition_penalty": 1e308}])
-def test_a_parameter_past_float32_keeps_the_masks(engine, prompts, huge):
-    # A finite value past float32's range became inf in the sampler's float32 column, and
-    # inf against a masked token's -inf (or a zero logit) is NaN, which the draw picked:
-    # token 0, outside the allowed ones, every time.
+@pytest.mark.parametrize(
+    ("overrides", "varies"),
+    [
+        ({"temperature": 1e308}, True),  # every token alike
+        ({"repetition_penalty": 1e308}, True),
+        ({"temperature": 1e-308}, False),  # greedy
+        ({"temperature": 1e-40}, False),
+        ({"repetition_penalty": 1e-308}, False),  # repeats forced
+        ({"top_p": 1e-308}, False),  # the top token alone
+        ({"temperature": 0.5, "logit_bias": {300: 1e308, 301: 1e308}}, True),
+        ({"temperature": 1e-4, "logit_bias": {300: 1e30}, "repetition_penalty": 1e-30}, False),
+    ],
+)
+def test_parameters_at_floats_edges_keep_the_masks(engine, prompts, overrides, varies):
+    # Past float32's range (or below its smallest normal) a parameter became inf or 0 in the
+    # sampler, and inf or 0 against a masked token's -inf, or inf - inf in a softmax, is NaN,
+    # which the draw picked: token 0, outside the allowed ones, every time.
     allowed = [300, 301, 302]
-    params = SamplingParams(
-        temperature=1e308 if "temperature" in huge else 1.0,
-        max_tokens=MAX_TOKENS,
-        ignore_eos=True,
-        allowed_token_ids=allowed,
-        seed=5,
-        repetition_penalty=huge.get("repetition_penalty", 1.0),
-    )
+    params = [
+        SamplingParams(
+            **{"temperature": 1.0} | overrides,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            allowed_token_ids=allowed,
+            seed=i,
+        )
+        for i in range(len(prompts))
+    ]
     tokens = [t for o in run_to_completion(engine, prompts, params) for t in o.outputs[0].token_ids]
-    assert set(tokens) <= set(allowed)
-    assert len(set(tokens)) > 1  # sampled, not stuck on one token
+    assert len(tokens) == len(prompts) * MAX_TOKENS and set(tokens) <= set(allowed)
+    if varies:  # sampled, not stuck on one token
+        assert len(set(tokens)) > 1
 
 
 def test_a_logit_bias_past_float32_forces_its_tokens(engine, prompts):
