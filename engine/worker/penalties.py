@@ -97,9 +97,9 @@ def apply_penalties(
     """
     counts = output_counts.to(logits.dtype)
     scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
-    # A penalty near float32's bounds can carry a finite logit to -inf, and a row whose every
-    # allowed token was seen would then have none left to draw (NaN): finite logits stay
-    # finite, masked ones keep their -inf.
+    # A penalty near float32's bounds can carry a finite logit to +-inf: a row whose every
+    # allowed token was seen would have none left to draw, or two at +inf would make a NaN.
+    # Finite logits stay finite; masked ones keep their -inf.
     largest = torch.finfo(logits.dtype).max
     scaled = torch.where(logits.isfinite(), scaled.clamp(-largest, largest), scaled)
     return scaled - frequency * counts - presence * (output_counts > 0)
