@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import random
 import socket
 import time
 from urllib.parse import urlsplit
@@ -143,3 +144,55 @@ def test_a_burst_beyond_the_waiting_queue_gets_503_and_the_rest_completes(tiny_m
             error = r["body"]["error"]
             assert error["type"] == "service_unavailable_error" and "waiting" in error["message"]
         assert wait_for_idle(small, timeout=2.0)["octavo:kv_cache_usage_perc"] == 0
+
+
+async def maybe_cut(client: httpx.AsyncClient, base_url: str, body: dict, cut_after: float | None):
+    """One request, streamed or plain; the client leaves after `cut_after` seconds if set."""
+    try:
+        async with asyncio.timeout(cut_after):
+            if body["stream"]:
+                async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+            else:
+                await client.post(f"{base_url}/v1/completions", json=body)
+    except TimeoutError:
+        pass
+
+
+def test_a_storm_of_clients_leaving_at_random_frees_everything(server):
+    """Half of 120 clients leave at random moments (queued, prefilling, decoding, before a
+    plain response, mid-stream), with n and best_of > 1 among them: nothing is left running,
+    every block is free, and the server serves on. (That a request stops when its client
+    leaves is shown one request at a time above: here a client may leave before its request
+    reached the engine, so the tokens made cannot show it.)"""
+    rng = random.Random(11)
+    bodies = []
+    for i in range(120):
+        stream = rng.random() < 0.6
+        n = rng.choice([1, 1, 2, 3])
+        bodies.append({
+            "model": MODEL_NAME, "prompt": f"Item {i}", "max_tokens": rng.choice([4, 40, 120]),
+            "temperature": rng.choice([0.0, 1.0]), "seed": i, "n": n, "stream": stream,
+            "ignore_eos": True, **({} if stream or rng.random() < 0.5 else {"best_of": n + 1}),
+        })  # fmt: skip
+    cuts = [rng.uniform(0.01, 0.4) if rng.random() < 0.5 else None for _ in bodies]
+
+    async def storm() -> None:
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            await asyncio.gather(
+                *(
+                    maybe_cut(client, server.base_url, b, c)
+                    for b, c in zip(bodies, cuts, strict=True)
+                )
+            )
+
+    asyncio.run(storm())
+    metrics = wait_for_idle(server, timeout=10.0)
+    assert metrics["octavo:num_requests_running"] == 0, metrics
+    assert metrics["octavo:kv_cache_usage_perc"] == 0, metrics
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 2}
+    )
+    assert response.status_code == 200, response.text
