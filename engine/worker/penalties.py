@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from octavo.engine.worker.sampler import on_device
+from octavo.engine.worker.sampler import MAX_TEMPERABLE_LOGIT, on_device
 
 
 class PenaltyCounts:
@@ -99,7 +99,7 @@ def apply_penalties(
     scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
     # A penalty near float32's bounds can carry a finite logit to +-inf: a row whose every
     # allowed token was seen would have none left to draw, or two at +inf would make a NaN.
-    # Finite logits stay finite; masked ones keep their -inf.
-    largest = torch.finfo(logits.dtype).max
-    scaled = torch.where(logits.isfinite(), scaled.clamp(-largest, largest), scaled)
+    # Finite logits stay within what can be tempered; masked ones keep their -inf.
+    bounded = scaled.clamp(-MAX_TEMPERABLE_LOGIT, MAX_TEMPERABLE_LOGIT)
+    scaled = torch.where(logits.isfinite(), bounded, logits)
     return scaled - frequency * counts - presence * (output_counts > 0)

@@ -7,10 +7,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from octavo.engine.sampling_params import MIN_SAMPLING_TEMPERATURE
 from octavo.engine.step_io import SamplerOutput
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.sampling_batch import NO_LOGPROBS, SamplingBatch
 from octavo.engine.worker.sampling_state import SamplingState
+
+# The largest logit a bias or a penalty may leave. Divided by the least sampling temperature
+# it stays finite in float32; an inf there would meet another in the softmax as inf - inf,
+# NaN, which the draw picks. Half the limit leaves room for the model's own logit beside a
+# bias at this bound. Either is as decisive as any larger value.
+MAX_TEMPERABLE_LOGIT = float(torch.finfo(torch.float32).max) * MIN_SAMPLING_TEMPERATURE / 2
 
 
 @dataclass
@@ -153,10 +160,8 @@ class Sampler:
         if params.logit_bias:
             tokens = on_device(list(params.logit_bias), row.device)
             bias = on_device(list(params.logit_bias.values()), row.device, row.dtype)
-            # A bias past the logits' dtype (1e308: this token, always) would add inf, and
-            # inf - inf is the NaN the draw then picks: the dtype's largest is as decisive.
-            largest = torch.finfo(row.dtype).max
-            row = row.index_add(0, tokens, bias.clamp(-largest, largest))
+            bias = bias.clamp(-MAX_TEMPERABLE_LOGIT, MAX_TEMPERABLE_LOGIT)  # 1e308: always
+            row = row.index_add(0, tokens, bias)
         return row
 
     @staticmethod
@@ -179,10 +184,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Draws the tokens of rows `rows` of `batch` (logits: theirs alone, in order)."""
         temperatures = on_device(batch.temperature[rows], logits.device)
-        # Biases and penalties can push a logit to inf here (a forced token over a low
-        # temperature), and inf - inf in a softmax is NaN: the largest finite value forces it
-        # as surely.
-        logits = (logits / temperatures[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
+        logits = logits / temperatures[:, None]
         min_p, top_k, top_p = batch.min_p[rows], batch.top_k[rows], batch.top_p[rows]
         if (min_p > 0.0).any():
             logits = apply_min_p(logits, min_p)

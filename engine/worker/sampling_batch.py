@@ -14,12 +14,10 @@ if TYPE_CHECKING:  # the penalties module imports the sampler, which imports thi
     from octavo.engine.worker.penalties import PenaltyCounts
 
 NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
-# The largest and smallest positive (normal) values a float32 column holds. A parameter past
-# them (temperature 1e308: every token alike; repetition_penalty 1e-308) would become inf or
-# 0 there, and inf or 0 against a masked token's -inf logit is NaN, which the draw then
-# picks: the column keeps the bound instead, which means the same.
+# The largest value a float32 column holds. A larger finite parameter (temperature 1e308:
+# every token alike) would become inf there, and inf against a zero or masked logit is NaN,
+# which the draw then picks: the column keeps this instead, which means the same.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 class _Column:
@@ -165,9 +163,7 @@ class _Columns:
         self.plain_greedy[slot] = params.is_plain_greedy
         self.processes_logits[slot] = params.processes_logits
         self.penalized[slot] = params.has_penalties
-        self.repetition_penalty[slot] = min(
-            max(params.repetition_penalty, FLOAT32_TINY), FLOAT32_MAX
-        )
+        self.repetition_penalty[slot] = min(params.repetition_penalty, FLOAT32_MAX)
         self.frequency_penalty[slot] = params.frequency_penalty
         self.presence_penalty[slot] = params.presence_penalty
         self.seeded[slot] = state.generator is not None

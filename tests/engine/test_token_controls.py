@@ -186,7 +186,7 @@ def test_parameters_at_floats_edges_keep_the_masks(engine, prompts, overrides, v
 
 def test_a_logit_bias_past_float32_forces_its_tokens(engine, prompts):
     # A bias of 1e308 added inf to the logits, and inf - inf in the softmax is NaN, which the
-    # draw picked (token 0): now it is float32's largest, which forces the token as surely.
+    # draw picked (token 0): now it is bounded, and forces the token as surely.
     params = [
         SamplingParams(
             temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i, logit_bias=bias
