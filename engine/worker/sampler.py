@@ -250,7 +250,5 @@ def apply_top_k_top_p(
     mass_before = probs.cumsum(dim=-1) - probs
     # Rows with top_p == 1 must keep everything: rounding can push mass_before to 1.0.
     p = on_device(np.where(top_p < 1.0, top_p, np.inf), logits.device)
-    # The top token stays whatever top_p is (one too small for float32 reads as 0).
-    past = (mass_before >= p[:, None]) & (ranks[None, :] > 0)
-    sorted_logits = sorted_logits.masked_fill(past, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

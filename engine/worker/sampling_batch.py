@@ -18,6 +18,9 @@ NO_LOGPROBS = -1  # `num_top` of a row that asked for no log-probabilities
 # every token alike) would become inf there, and inf against a zero or masked logit is NaN,
 # which the draw then picks: the column keeps this instead, which means the same.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest positive normal float32: a top_p below it would read as 0 there and mask even
+# the top token (whose mass before it is exactly 0), leaving nothing to draw.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 class _Column:
@@ -171,7 +174,7 @@ class _Columns:
         self.num_sampled[slot] = 0
         self.temperature[slot] = min(params.temperature, FLOAT32_MAX)
         self.top_k[slot] = params.top_k
-        self.top_p[slot] = params.top_p
+        self.top_p[slot] = max(params.top_p, FLOAT32_TINY)
         self.min_p[slot] = params.min_p
         # Log-probabilities cost a pass over the vocabulary: only for rows that ask (as in
         # vLLM, a request without `logprobs` gets no cumulative_logprob either), and for
