@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -13,7 +15,39 @@ from octavo.engine.frontend.outputs import RequestMetrics
 PREFIX = "octavo:"
 # Seconds; TTFT and queue time span idle-to-loaded, ITL is per token.
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class InterTokenLatencies:
+    """One request's inter-token latencies, counted per ITL bucket as they come (a list
+    index and two additions per event: the histogram's own `observe` takes a lock and
+    walks the buckets in Python), and added to the server's histogram in one go when the
+    request's stream ends (`ServerMetrics.add_itl`)."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITL_BUCKETS) + 1)  # the last: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        # A bucket holds what is <= its bound, as prometheus counts: the first bound >= it.
+        self.counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
+class _CountedHistogram(Histogram):
+    """A Histogram that also takes counts gathered elsewhere (InterTokenLatencies).
+
+    prometheus-client has no public call for adding counts in bulk, so `add` increments the
+    histogram's own per-bucket and sum values, which are what every exposition (single- or
+    multiprocess) reads: the same values `observe` increments."""
+
+    def add(self, counts: list[int], total: float) -> None:
+        self._sum.inc(total)
+        for bucket, count in zip(self._buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
 
 
 class EngineStatsCollector(Collector):
@@ -70,10 +104,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.itl = Histogram(
+        self._itl = _CountedHistogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between consecutive events of a streamed request.",
-            buckets=_ITL_BUCKETS,
+            buckets=ITL_BUCKETS,
             registry=self.registry,
         )
         self.e2e = Histogram(
@@ -96,6 +130,10 @@ class ServerMetrics:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+
+    def add_itl(self, latencies: InterTokenLatencies) -> None:
+        """Adds a request's inter-token latencies (at its end)."""
+        self._itl.add(latencies.counts, latencies.total)
 
     def render(self) -> bytes:
         if self._multiprocess_dir is None:

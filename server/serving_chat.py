@@ -3,8 +3,9 @@ engine, answered as a chat.completion or a stream of chat.completion.chunk event
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
 
 from fastapi import Request
@@ -183,6 +184,11 @@ class ChatServing(EngineServing):
         )
         first = True
         cached_tokens = 0  # prompt tokens found in the prefix cache
+        # Per choice, once its first event is out, the events that carry only its next text
+        # (EventEncoder.text_events): a request that asked for no logprobs and no continuous
+        # usage, until the choice's finish.
+        plain = not request.logprobs and not continuous_usage
+        text_events: dict[int, Callable[[str], bytes]] = {}
         try:
             async for _, output in self.merge(streams):
                 if output.num_cached_tokens is not None:
@@ -190,6 +196,10 @@ class ChatServing(EngineServing):
                 events = []
                 for completion in output.outputs:
                     completion_tokens[completion.index] += len(completion.token_ids)
+                    text_event = text_events.get(completion.index)
+                    if text_event is not None and completion.finish_reason is None:
+                        events.append(text_event(completion.text))
+                        continue
                     choice = ChatChunkChoice(
                         index=completion.index,
                         delta=ChatDelta(content=completion.text),
@@ -213,6 +223,12 @@ class ChatServing(EngineServing):
                             )
                         )
                     events.append(event(chunk))
+                    if plain and completion.finish_reason is None:
+                        text_events[completion.index] = self.events.text_events(
+                            functools.partial(
+                                self._text_chunk, request_id, created, completion.index
+                            )
+                        )
                 if output.finished and output.metrics is not None:
                     self.metrics.observe_finished(output.metrics)
                 if events:
@@ -228,6 +244,15 @@ class ChatServing(EngineServing):
             yield sse_event(engine_error(exc).body()) + SSE_DONE
             return
         yield SSE_DONE
+
+    def _text_chunk(
+        self, request_id: str, created: int, index: int, text: str
+    ) -> ChatCompletionChunk:
+        """The chunk of an event that carries only choice `index`'s next text."""
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text))
+        return ChatCompletionChunk(
+            id=request_id, created=created, model=self.config.served_model_name, choices=[choice]
+        )
 
     def _logprobs(
         self, completion: CompletionOutput, request: ChatCompletionRequest

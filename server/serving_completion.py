@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
 
 from fastapi import Request
@@ -135,6 +136,11 @@ class CompletionServing(EngineServing):
         created = int(time.time())
         model = self.config.served_model_name
         event = self.events.event
+        # Per choice, once its first event is out, the events that carry only its next text
+        # (EventEncoder.text_events): a request that asked for no logprobs and no continuous
+        # usage, until the choice's finish.
+        plain = request.logprobs is None and not continuous_usage and request.max_tokens != 0
+        text_events: dict[int, Callable[[str], bytes]] = {}
         try:
             async for index, output in self.merge(streams):
                 if output.num_cached_tokens is not None:
@@ -142,6 +148,11 @@ class CompletionServing(EngineServing):
                 events = []
                 for completion in output.outputs:
                     choice_index = index * request.n + completion.index
+                    text_event = text_events.get(choice_index)
+                    if text_event is not None and completion.finish_reason is None:
+                        completion_tokens += len(completion.token_ids)
+                        events.append(text_event(completion.text))
+                        continue
                     first = choice_index not in text_offsets
                     delta = self._returned(completion, request)
                     completion_tokens += len(delta.token_ids)
@@ -182,6 +193,10 @@ class CompletionServing(EngineServing):
                             )
                         )
                     events.append(event(chunk))
+                    if plain and first and completion.finish_reason is None:
+                        text_events[choice_index] = self.events.text_events(
+                            functools.partial(self._text_chunk, request_id, created, choice_index)
+                        )
                 if output.finished and output.metrics is not None:
                     self.metrics.observe_finished(output.metrics)
                 if events:
@@ -197,6 +212,13 @@ class CompletionServing(EngineServing):
             yield sse_event(engine_error(exc).body()) + SSE_DONE
             return
         yield SSE_DONE
+
+    def _text_chunk(self, request_id: str, created: int, index: int, text: str) -> CompletionChunk:
+        """The chunk of an event that carries only choice `index`'s next text."""
+        choice = CompletionChunkChoice(index=index, text=text)
+        return CompletionChunk(
+            id=request_id, created=created, model=self.config.served_model_name, choices=[choice]
+        )
 
     @staticmethod
     def _returned(completion: CompletionOutput, request: CompletionRequest) -> Delta:

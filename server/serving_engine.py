@@ -4,6 +4,7 @@ parameters, submission, the merged output streams and the error contract."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -28,7 +29,7 @@ from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.structured_outputs import compile_grammar
 from octavo.server.errors import APIError, model_not_found
-from octavo.server.metrics import ServerMetrics
+from octavo.server.metrics import InterTokenLatencies, ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
 from octavo.server.stream_chunks import EventEncoder
 
@@ -251,48 +252,25 @@ class EngineServing:
         self, streams: list[AsyncIterator[RequestOutput]]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Interleaves several output streams as outputs arrive, observing each one's
-        inter-token latency; closing this generator (a client that went away) cancels them
-        all, which aborts their requests."""
-        last: dict[int, float] = {}
-        itl = self.metrics.itl
-        if len(streams) == 1:  # the common case, without a task per stream
-            async for output in streams[0]:
-                now = time.monotonic()
-                if last:
-                    itl.observe(now - last[0])
-                last[0] = now
-                yield 0, output
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-            try:
-                async for output in stream:
-                    queue.put_nowait((index, output))
-            except Exception as exc:
-                queue.put_nowait((index, exc))
-            finally:
-                queue.put_nowait((index, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(tasks)
+        inter-token latency (added to the metrics when this generator ends); closing this
+        generator (a client that went away) cancels them all, which aborts their
+        requests."""
+        itl = InterTokenLatencies()
         try:
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
+            if len(streams) == 1:  # the common case, without a task per stream
+                last = None
+                async for output in streams[0]:
                     now = time.monotonic()
-                    if index in last:
-                        itl.observe(now - last[index])
-                    last[index] = now
-                    yield index, item
+                    if last is not None:
+                        itl.observe(now - last)
+                    last = now
+                    yield 0, output
+                return
+            async with contextlib.aclosing(_interleaved(streams, itl)) as outputs:
+                async for item in outputs:
+                    yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            self.metrics.add_itl(itl)
 
     def vllm_prompt_logprobs(
         self, output: RequestOutput, request: GenerationRequest
@@ -327,6 +305,43 @@ class EngineServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _interleaved(
+    streams: list[AsyncIterator[RequestOutput]], itl: InterTokenLatencies
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`EngineServing.merge` of several streams: a task reads each one into one queue."""
+    last: dict[int, float] = {}
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                now = time.monotonic()
+                if index in last:
+                    itl.observe(now - last[index])
+                last[index] = now
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_beam_search(request: GenerationRequest) -> None:

@@ -114,3 +114,25 @@ def test_a_chat_chunk_has_openais_chat_completion_chunk_shape():
         "id", "object", "created", "model", "choices", "usage", "system_fingerprint",
         "prompt_logprobs",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["m", "\ufdd0", 'quo"te \ufdd0 model'])
+@pytest.mark.parametrize(
+    "text", ["", " plain", 'a "quoted"\n\\ text', "\u2028\x00\x1f", "\ufdd0", "é 😀"]
+)
+def test_a_text_event_is_its_chunks_event(model, text):
+    """The frame rendered once per choice gives, for every text, the bytes of the chunk built
+    and encoded whole; an id or model name holding the frame's placeholder does not move the
+    text (the chunk of either route)."""
+    encoder = EventEncoder()
+
+    def completion(text: str) -> CompletionChunk:
+        choice = CompletionChunkChoice(index=3, text=text)
+        return CompletionChunk(id="cmpl-\ufdd0", created=7, model=model, choices=[choice])
+
+    def chat(text: str) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=1, delta=ChatDelta(content=text))
+        return ChatCompletionChunk(id="chatcmpl-\ufdd0", created=7, model=model, choices=[choice])
+
+    for chunk_of in (completion, chat):
+        assert encoder.text_events(chunk_of)(text) == encoder.event(chunk_of(text))
