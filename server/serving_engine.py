@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -309,7 +309,7 @@ class EngineServing:
 
 async def _interleaved(
     streams: list[AsyncIterator[RequestOutput]], itl: InterTokenLatencies
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """`EngineServing.merge` of several streams: a task reads each one into one queue."""
     last: dict[int, float] = {}
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()

@@ -10,6 +10,12 @@ from octavo.server.metrics import ITL_BUCKETS, InterTokenLatencies, ServerMetric
 LATENCIES = [0.0, 0.0005, 0.001, 0.0010001, 0.003, 0.025, 0.7, 2.5, 2.6, 100.0]
 
 
+def _itl_samples(exposition: bytes) -> list[str]:
+    """The ITL histogram's lines, but when it was created."""
+    lines = exposition.decode().splitlines()
+    return [line for line in lines if "inter_token" in line and "_created" not in line]
+
+
 class _Engine:
     """What ServerMetrics' engine collector reads (nothing, unregistered below)."""
 
@@ -34,10 +40,6 @@ def test_inter_token_latencies_expose_as_observed_one_by_one(split):
     )
     for seconds in LATENCIES:
         histogram.observe(seconds)
-    def samples(exposition: bytes) -> list[str]:  # but when each histogram was created
-        lines = exposition.decode().splitlines()
-        return [line for line in lines if "inter_token" in line and "_created" not in line]
-
-    ours = samples(metrics.render())
-    assert ours == samples(generate_latest(reference))
+    ours = _itl_samples(metrics.render())
+    assert ours == _itl_samples(generate_latest(reference))
     assert any(line.endswith(f" {len(LATENCIES)}.0") for line in ours)
