@@ -18,22 +18,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
-class InterTokenLatencies:
-    """One request's inter-token latencies, counted per ITL bucket as they come (a list
-    index and two additions per event: the histogram's own `observe` takes a lock and
-    walks the buckets in Python), and added to the server's histogram in one go when the
-    request's stream ends (`ServerMetrics.add_itl`)."""
-
-    __slots__ = ("counts", "total")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(ITL_BUCKETS) + 1)  # the last: above every bound (+Inf)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        # A bucket holds what is <= its bound, as prometheus counts: the first bound >= it.
-        self.counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += 1
-        self.total += seconds
+# A stream's inter-token latencies reach the histogram every this many (and at its end):
+# a long stream shows in /metrics while it runs, at a small share of a bulk add per event.
+ITL_FLUSH_EVENTS = 64
 
 
 class _CountedHistogram(Histogram):
@@ -48,6 +35,40 @@ class _CountedHistogram(Histogram):
         for bucket, count in zip(self._buckets, counts, strict=True):
             if count:
                 bucket.inc(count)
+
+
+class InterTokenLatencies:
+    """One stream's inter-token latencies on their way to the server's histogram.
+
+    Each is counted into its bucket here (a list index and two additions: the histogram's
+    own `observe` takes a lock and walks the buckets in Python, on every event), and the
+    counts are added to the histogram every ITL_FLUSH_EVENTS latencies and by `flush`,
+    which the stream's end calls."""
+
+    __slots__ = ("_histogram", "_counts", "_total", "_pending")
+
+    def __init__(self, histogram: _CountedHistogram):
+        self._histogram = histogram
+        self._reset()
+
+    def _reset(self) -> None:
+        self._counts = [0] * (len(ITL_BUCKETS) + 1)  # the last: above every bound (+Inf)
+        self._total = 0.0
+        self._pending = 0
+
+    def observe(self, seconds: float) -> None:
+        # A bucket holds what is <= its bound, as prometheus counts: the first bound >= it.
+        self._counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += 1
+        self._total += seconds
+        self._pending += 1
+        if self._pending == ITL_FLUSH_EVENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Adds what was observed since the last flush to the histogram."""
+        if self._pending:
+            self._histogram.add(self._counts, self._total)
+            self._reset()
 
 
 class EngineStatsCollector(Collector):
@@ -131,9 +152,9 @@ class ServerMetrics:
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
 
-    def add_itl(self, latencies: InterTokenLatencies) -> None:
-        """Adds a request's inter-token latencies (at its end)."""
-        self._itl.add(latencies.counts, latencies.total)
+    def inter_token_latencies(self) -> InterTokenLatencies:
+        """Where one stream observes its inter-token latencies (flush it at the end)."""
+        return InterTokenLatencies(self._itl)
 
     def render(self) -> bytes:
         if self._multiprocess_dir is None:

@@ -252,10 +252,9 @@ class EngineServing:
         self, streams: list[AsyncIterator[RequestOutput]]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Interleaves several output streams as outputs arrive, observing each one's
-        inter-token latency (added to the metrics when this generator ends); closing this
-        generator (a client that went away) cancels them all, which aborts their
-        requests."""
-        itl = InterTokenLatencies()
+        inter-token latency; closing this generator (a client that went away) cancels them
+        all, which aborts their requests."""
+        itl = self.metrics.inter_token_latencies()
         try:
             if len(streams) == 1:  # the common case, without a task per stream
                 last = None
@@ -270,7 +269,7 @@ class EngineServing:
                 async for item in outputs:
                     yield item
         finally:
-            self.metrics.add_itl(itl)
+            itl.flush()
 
     def vllm_prompt_logprobs(
         self, output: RequestOutput, request: GenerationRequest

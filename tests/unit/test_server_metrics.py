@@ -1,36 +1,28 @@
-"""The server's latency histograms: counts gathered per request expose as prometheus's own
+"""The server's latency histograms: counts gathered per stream expose as prometheus's own
 Histogram.observe of the same values would."""
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from octavo.server.metrics import ITL_BUCKETS, InterTokenLatencies, ServerMetrics
+from octavo.server.metrics import ITL_BUCKETS, ITL_FLUSH_EVENTS, ServerMetrics
 
 # Below, on and between the bounds, and past the last.
 LATENCIES = [0.0, 0.0005, 0.001, 0.0010001, 0.003, 0.025, 0.7, 2.5, 2.6, 100.0]
 
 
-def _itl_samples(exposition: bytes) -> list[str]:
-    """The ITL histogram's lines, but when it was created."""
-    lines = exposition.decode().splitlines()
-    return [line for line in lines if "inter_token" in line and "_created" not in line]
-
-
 class _Engine:
-    """What ServerMetrics' engine collector reads (nothing, unregistered below)."""
+    """What ServerMetrics' engine collector reads (nothing: it is unregistered)."""
 
 
-@pytest.mark.parametrize("split", [1, 3, len(LATENCIES)])
-def test_inter_token_latencies_expose_as_observed_one_by_one(split):
-    """The oracle: a prometheus Histogram with the same name and bounds, observed one value
-    at a time. Latencies arrive as several requests' (`split` per request)."""
+def _metrics() -> ServerMetrics:
     metrics = ServerMetrics(_Engine())  # type: ignore[arg-type]
     metrics.registry.unregister(metrics._engine_stats)
-    for start in range(0, len(LATENCIES), split):
-        request = InterTokenLatencies()
-        for seconds in LATENCIES[start : start + split]:
-            request.observe(seconds)
-        metrics.add_itl(request)
+    return metrics
+
+
+def _observed_one_by_one(latencies: list[float]) -> dict[str, float]:
+    """The oracle: a prometheus Histogram with the same name and bounds, observed one value
+    at a time."""
     reference = CollectorRegistry()
     histogram = Histogram(
         "octavo:inter_token_latency_seconds",
@@ -38,8 +30,45 @@ def test_inter_token_latencies_expose_as_observed_one_by_one(split):
         buckets=ITL_BUCKETS,
         registry=reference,
     )
-    for seconds in LATENCIES:
+    for seconds in latencies:
         histogram.observe(seconds)
+    return _itl_samples(generate_latest(reference))
+
+
+def _itl_samples(exposition: bytes) -> dict[str, float]:
+    """The ITL histogram's samples, but when it was created. The sum compares as a float
+    (it is added in another order); the bucket counts are integers, exact either way."""
+    samples = {}
+    for line in exposition.decode().splitlines():
+        if line.startswith("octavo:inter_token") and "_created" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+@pytest.mark.parametrize("per_stream", [1, 3, len(LATENCIES)])
+def test_inter_token_latencies_expose_as_observed_one_by_one(per_stream):
+    """Latencies of several streams (`per_stream` each), each stream flushed at its end."""
+    metrics = _metrics()
+    for start in range(0, len(LATENCIES), per_stream):
+        stream = metrics.inter_token_latencies()
+        for seconds in LATENCIES[start : start + per_stream]:
+            stream.observe(seconds)
+        stream.flush()
     ours = _itl_samples(metrics.render())
-    assert ours == _itl_samples(generate_latest(reference))
-    assert any(line.endswith(f" {len(LATENCIES)}.0") for line in ours)
+    assert ours == pytest.approx(_observed_one_by_one(LATENCIES))
+    assert ours["octavo:inter_token_latency_seconds_count"] == len(LATENCIES)
+
+
+def test_a_long_streams_latencies_show_while_it_runs():
+    """Every ITL_FLUSH_EVENTS latencies reach the histogram without waiting for the end."""
+    metrics = _metrics()
+    stream = metrics.inter_token_latencies()
+    latencies = [LATENCIES[i % len(LATENCIES)] for i in range(2 * ITL_FLUSH_EVENTS + 5)]
+    for seconds in latencies:
+        stream.observe(seconds)
+    shown = _itl_samples(metrics.render())
+    assert shown == pytest.approx(_observed_one_by_one(latencies[: 2 * ITL_FLUSH_EVENTS]))
+    stream.flush()
+    stream.flush()  # a second flush adds nothing
+    assert _itl_samples(metrics.render()) == pytest.approx(_observed_one_by_one(latencies))
