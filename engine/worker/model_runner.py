@@ -140,13 +140,16 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_seqs, max_model_len, block_size, config.vocab_size, device, grammars
         )
-        # torch.empty: untouched blocks cost no memory; every read slot is written first.
-        self.kv_cache = torch.empty(
+        # Zeroed, so resident from the start (as vLLM's): the process holds the memory its
+        # cache was sized to from startup on. torch.empty's pages would be committed only
+        # when first written, and the prefix cache keeps every block it filled until the
+        # free ones run out: the process grew by a block for each block of new content
+        # until the whole cache was in memory.
+        self.kv_cache = torch.zeros(
             (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
             dtype=dtype,
             device=device,
         )
-        self.kv_cache[:, :, 0].zero_()
         self.graphs: CUDAGraphRunner | None = None
         self.piecewise: PiecewiseGraphs | None = None
         # The previous step's sampled tokens (device) and the sequence of each row.
