@@ -63,6 +63,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from octavo.benchmarks.processes import cpu_seconds, process_tree
 from octavo.benchmarks.provenance import REPO_ROOT, git_commit, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.benchmarks.workload import length_range
@@ -384,26 +385,12 @@ def process_tree_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by process `pid` ("main": the API process, or
     the supervisor of several) and each of its descendants ("child <pid>": the engine core,
     further API processes), from /proc (Linux; empty elsewhere)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return {}
-    ticks = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU seconds)
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # The command name, in parentheses, may hold spaces: fields follow the last ")".
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # exited meanwhile
-        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
-    tree, found = {pid}, True
-    while found:
-        children = {p for p, (parent, _) in stats.items() if parent in tree} - tree
-        tree |= children
-        found = bool(children)
-    return {("main" if p == pid else f"child {p}"): stats[p][1] for p in sorted(tree) if p in stats}
+    used = {p: cpu_seconds(p) for p in process_tree(pid)}
+    return {
+        ("main" if p == pid else f"child {p}"): seconds
+        for p, seconds in used.items()
+        if seconds is not None
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,8 +60,11 @@ class EngineConfig:
                   "--kv-cache-gb on CPU, --gpu-memory-utilization on CUDA)"},
     )  # fmt: skip
     kv_cache_gb: float | None = field(
-        default=None, metadata={"help": "KV cache size on CPU when --num-blocks is not given"}
-    )
+        default=None,
+        metadata={"help": "KV cache size on CPU when --num-blocks is not given (default "
+                  f"{DEFAULT_CPU_KV_CACHE_GB:g}); allocated and zeroed at startup, so the "
+                  "engine holds all of it from the start"},
+    )  # fmt: skip
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "fraction of the GPU's memory for weights, activations "
                                "and the KV cache"}
