@@ -20,7 +20,8 @@ def short_commit() -> str | None:
 
 
 def run(script: str, result_file: Path, *args: str) -> dict:
-    command = [sys.executable, f"benchmarks/{script}", *args, "--result-file", str(result_file)]
+    # The result file first: a script's --server-args takes the rest of the line.
+    command = [sys.executable, f"benchmarks/{script}", "--result-file", str(result_file), *args]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(result_file.read_text())
@@ -32,6 +33,7 @@ def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_pat
         "--num-requests", "6", "--prompt-len", "4-8", "--output-len", "5-9", "--repeats", "1",
         "--modes", "streamed", "inprocess", "unstreamed", "interval8",
         "--py-spy-dir", str(tmp_path / "stacks"),
+        "--server-args", "--kv-cache-gb", "0.0625",  # each start zeroes its whole cache
     )  # fmt: skip
     # The engine core's busy loop, sampled in its own process (and in the API process's
     # thread with --inprocess-engine) while the first timed run served.
