@@ -10,6 +10,10 @@ client abandons after their first event), every prompt a new one. Two shapes of 
   --per-kind N    each kind alone: --warmup-requests of it, then N more; each process's
                   growth per request over those N
 
+--fill-requests first sends long one-token prompts until the prefix cache holds all the
+blocks it can, as in a server that has run for a while: the cache's index of blocks is then
+at its bound, and what grows after it is not the cache filling.
+
 The RSS of the server and of each of its descendants is sampled every --sample-s from
 /proc (Linux). With one API process (the CPU default), its one spawned child is the engine
 core. After the load, /metrics must show nothing running or waiting and no KV block in use.
@@ -17,8 +21,9 @@ Results JSON (--result-file); --plot-dir adds a plot of RSS over time.
 
     .venv/bin/python benchmarks/soak.py --duration 150 --clients 24 \\
         --result-file benchmarks/results/soak_mixed_cpu.json --plot-dir benchmarks/results/plots_cpu
-    .venv/bin/python benchmarks/soak.py --per-kind 1500 --clients 16 \\
-        --result-file benchmarks/results/soak_per_kind_cpu.json
+    .venv/bin/python benchmarks/soak.py --fill-requests 1300 --per-kind 1500 --clients 16 \\
+        --result-file benchmarks/results/soak_per_kind_cpu.json \\
+        --plot-dir benchmarks/results/plots_cpu
 
 Memory is never asserted in tests from this script (tests/engine/test_memory.py does that
 in process); tests/benchmarks runs it briefly.
