@@ -22,8 +22,8 @@ once, streamed, usage in the last event.
     .venv/bin/python benchmarks/ray_serve.py     # -> results/ray_serve_cpu.json
     .venv/bin/python benchmarks/ray_serve.py --smoke --result-file /tmp/r.json
 
---smoke: a few requests, `octavo serve` and one 2-replica prefix-routed Ray run; its
-numbers mean nothing.
+--smoke: a few requests, `octavo serve` and one 2-replica prefix-routed Ray run, each with a
+64 MB KV cache; its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="replica counts of the routing runs, comma-separated",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="a few requests, two servers")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="each server's and replica's (default: octavo serve's)")  # fmt: skip
+    p.add_argument("--smoke", action="store_true",
+                   help="a few requests, two servers, 64 MB KV caches")  # fmt: skip
     p.add_argument("--result-file", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:
@@ -84,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.fast_requests, args.fast_output_len = 2, 8
         args.prefixes, args.per_prefix, args.prefix_len = 2, 2, 64  # the routing key's length
         args.routing_replicas = [2]
+        # Each server start zeroes its whole cache: the default's would cost more than the run.
+        args.kv_cache_gb = 0.0625 if args.kv_cache_gb is None else args.kv_cache_gb
     return args
 
 
@@ -100,8 +105,10 @@ def body(prompt: list[int], max_tokens: int) -> bytes:
     ).encode()
 
 
-def server_cmd(model: str, port: int, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "octavo", "serve", "--model", model, "--port", str(port)]
+def server_cmd(args: argparse.Namespace, port: int, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "octavo", "serve", "--model", args.model, "--port", str(port)]
+    if args.kv_cache_gb is not None:
+        cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
     return cmd + ["--device", "cpu", "--torch-threads", "1", "--log-level", "warning", *extra]
 
 
@@ -143,7 +150,7 @@ def measure_throughput(args: argparse.Namespace, extra: list[str]) -> dict[str, 
     }
     port = free_port()
     results = {}
-    with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
+    with running_server(server_cmd(args, port, extra), port, stdout=subprocess.DEVNULL):
         for name, requests in bodies.items():
             run_clients(port, requests[: max(1, len(requests) // 4)])  # warm-up
             results[name] = summarize([run_clients(port, requests) for _ in range(args.repeats)])
@@ -164,7 +171,7 @@ def measure_routing(args: argparse.Namespace, routing: str, replicas: int) -> di
     cpus = str(min(1.0, (os.cpu_count() or 1) / replicas))
     extra = ["--ray", "--num-replicas", str(replicas), "--routing", routing]
     extra += ["--num-cpus-per-replica", cpus]
-    with running_server(server_cmd(args.model, port, extra), port, stdout=subprocess.DEVNULL):
+    with running_server(server_cmd(args, port, extra), port, stdout=subprocess.DEVNULL):
         await_replicas(port, replicas)
         run_clients(port, [body(group[0], 1) for group in groups])  # each prefix computed once
         rest = [p for group in groups for p in group[1:]]
