@@ -68,6 +68,7 @@ JSON_SCHEMA = {
     "required": ["name", "count"],
 }
 # /metrics gauges that are 0 once nothing is running, waiting or holding a KV block.
+METRIC_PREFIX = "octavo:"
 IDLE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 # How long aborted streams may take to reach the core once the load has stopped.
 IDLE_WAIT_S = 10.0
@@ -250,9 +251,9 @@ def metrics(port: int) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        for gauge in IDLE_GAUGES:
-            if name.split("{")[0].endswith(gauge):
-                values[gauge] = float(value)
+        gauge = name.removeprefix(METRIC_PREFIX)
+        if gauge in IDLE_GAUGES and gauge != name:
+            values[gauge] = float(value)
     return values
 
 
