@@ -11,6 +11,11 @@
 #   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
 #   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # piecewise graphs (the CUDA default) against eager;
 #       # latency at --prefill-interval 8 (the CUDA default) and 1
+#   bash benchmarks/gpu_session.sh served_loss OUT_DIR  # where served throughput and one
+#       # stream's first token go: stacks of offline and of every server process; TTFT's parts
+#   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh served_loss_compare OUT_DIR
+#       # served_loss's measurements of this tree against BEFORE_ROOT's, the kernel and
+#       # engine GPU tests first, and how much one busy thread slows when others run
 #   BEFORE_ROOT=DIR bash benchmarks/gpu_session.sh compare OUT_DIR
 #       # the decode-step profile (step time, GPU busy, kernels per step) of this tree and of
 #       # the checkout in DIR, alternated, two rounds; the GPU-marked tests between them
@@ -33,7 +38,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|arrivals|piecewise|compare|fusions|serve_compare OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|served_loss|served_loss_compare|arrivals|piecewise|compare|fusions|serve_compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -165,6 +170,46 @@ serve)
         --num-requests 4096 --client-procs 4 --result-file "$out/burst_floor_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     latency default "1 4 16 64"
+    ;;
+served_loss)
+    # The serve stage's workload at the defaults, 4096 requests, streamed and unstreamed, with
+    # py-spy's stacks (carried as a wheel) of every server process in each mode's first timed
+    # run and of the benchmark's own process throughout: its offline `LLM.generate` is the
+    # same engine without the server, so the two profiles tell what serving adds to a step.
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    "$python" -m pip list 2>/dev/null | grep -iE "^(vllm|sglang) " | tee -a "$out/gpu.txt"
+    step serving_gpt2 py-spy record --idle --nonblocking --format raw --rate 200 \
+        --output "$out/stacks_offline.txt" -- "$python" benchmarks/serving_throughput.py \
+        --preset gpt2 --device cuda --dtype float16 --num-requests 4096 \
+        --modes streamed unstreamed --client-procs 4 --repeats 2 --py-spy-dir "$out/stacks" \
+        --result-file "$out/serving_throughput_gpt2.json"
+    # One stream's first token against its parts and against the engine alone.
+    step first_token "$python" benchmarks/first_token.py --device cuda --dtype float16 \
+        --preset gpt2 --num-requests 32 --result-file "$out/first_token_gpt2.json"
+    ;;
+served_loss_compare)
+    before=${BEFORE_ROOT:?served_loss_compare needs BEFORE_ROOT, the checkout to measure against}
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    # The engine core is one host-bound thread: how much slower it runs while other
+    # processes keep the host's other CPUs busy (the served runs' API processes and
+    # clients do).
+    (lscpu; grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list) \
+        >"$out/cpu_topology.txt" 2>&1
+    step cpu_contention "$python" benchmarks/cpu_contention.py --busy 0 1 3 7 15
+    gpu_tests gpu_tests tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_engine.py
+    step serving_gpt2_compare "$python" benchmarks/serving_throughput.py --preset gpt2 \
+        --device cuda --dtype float16 --num-requests 4096 --modes streamed unstreamed \
+        --before-root "$before" --before-modes streamed unstreamed --client-procs 4 \
+        --repeats 3 --result-file "$out/serving_throughput_gpt2_compare.json"
+    for round in 1 2; do
+        step "first_token_$round" "$python" benchmarks/first_token.py --device cuda \
+            --dtype float16 --preset gpt2 --num-requests 32 \
+            --result-file "$out/first_token_gpt2_$round.json"
+        # The script is this tree's; what it imports and serves is the other checkout.
+        step "first_token_before_$round" env PYTHONPATH="$before:$PYTHONPATH" "$python" \
+            benchmarks/first_token.py --device cuda --dtype float16 --preset gpt2 \
+            --num-requests 32 --result-file "$out/first_token_gpt2_before_$round.json"
+    done
     ;;
 arrivals)
     # Steps under arrivals (two prompts of 24 tokens prefilled beside each step's decodes,

@@ -3,9 +3,9 @@ with a plain-torch `*_ref` twin."""
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from octavo.kernels.store_kv import _store_kv_kernel
+from octavo.kernels.copy_blocks import _copy_blocks_kernel
 
 
 def interpreter_active() -> bool:
     """True when the kernels were decorated under TRITON_INTERPRET=1 (they run on CPU)."""
-    return isinstance(_store_kv_kernel, InterpretedFunction)
+    return isinstance(_copy_blocks_kernel, InterpretedFunction)

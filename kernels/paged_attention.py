@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.store_kv import store_kv, store_kv_ref
-
 # Split-KV limits of the decode path, from kernel_bench --sweep on an H100 (GPT-2 heads,
 # fp16; figures in benchmarks/README): splitting pays while a launch has too few programs
 # to fill the SMs, fewer than SPLIT_BELOW_PROGRAMS_PER_SM per SM (at large batches splits
@@ -100,20 +98,33 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_seqlen_k: int, num_sms:
 def _prefill_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, dims, dim_mask, q_pos, seq_len,
     start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h, block_size,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    key_ptr, value_ptr, kv_stride_t, kv_stride_h, context, q_start,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, NEW_KV: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N-key step of the online softmax (base 2: qk_scale includes log2(e)).
     MASKED tiles may hold keys past seq_len or after a query's own position; the others
-    are wholly visible to every query of the tile and skip the masks."""
+    are wholly visible to every query of the tile and skip the masks. NEW_KV: keys from
+    position `context` on are this step's, read from key_ptr/value_ptr (token row
+    q_start + position - context), not from the cache."""
     cols = start + tl.arange(0, BLOCK_N)
     col_mask = cols < seq_len
-    blocks = tl.load(table + cols // block_size, mask=col_mask, other=0).to(tl.int64)
+    cached = col_mask
+    if NEW_KV:
+        cached = cols < context
+    blocks = tl.load(table + cols // block_size, mask=cached, other=0).to(tl.int64)
     slots = blocks * cache_stride_b + (cols % block_size).to(tl.int64) * cache_stride_s
     kv_offsets = slots[:, None] + kv_head * cache_stride_h + dims[None, :]
-    kv_mask = col_mask[:, None] & dim_mask[None, :]
+    kv_mask = cached[:, None] & dim_mask[None, :]
     # other=0: slots past seq_len in a partial block may hold anything, NaN included.
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if NEW_KV:
+        new = (cols >= context) & col_mask
+        new_rows = (q_start + cols - context).to(tl.int64)
+        new_offsets = new_rows[:, None] * kv_stride_t + kv_head * kv_stride_h + dims[None, :]
+        new_mask = new[:, None] & dim_mask[None, :]
+        k = tl.where(new_mask, tl.load(key_ptr + new_offsets, mask=new_mask, other=0.0), k)
+        v = tl.where(new_mask, tl.load(value_ptr + new_offsets, mask=new_mask, other=0.0), v)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     if MASKED:
         visible = (cols[None, :] <= q_pos[:, None]) & col_mask[None, :]
@@ -134,15 +145,31 @@ def _prefill_tile(
 # A mixed batch's tl.dot launch reads these from `num_decodes` rows in: their 16-byte
 # alignment changes with it, and Triton would compile a variant for each while serving.
 # They are read a scalar (or a few repeated block ids) at a time, so alignment buys nothing.
-@triton.jit(do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"])
+# Likewise the block table's row stride, its width in blocks, which follows the step's
+# longest sequence (Triton specializes integers equal to 1 or divisible by 16): each
+# variant would be compiled while serving, stalling every stream the first time.
+@triton.jit(
+    do_not_specialize=["bt_stride_s"],
+    do_not_specialize_on_alignment=[
+        "block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "slot_ptr"
+    ],
+)  # fmt: skip
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    key_ptr, value_ptr, slot_ptr,
     qk_scale,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h, kv_stride_t, kv_stride_h,
     cache_stride_b, cache_stride_s, cache_stride_h, bt_stride_s, block_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, STORE_NEW_KV: tl.constexpr,
 ):  # fmt: skip
+    """The tl.dot path: program (seq, head, tile) computes BLOCK_M queries of one head.
+
+    STORE_NEW_KV: the step's keys and values (token rows of key_ptr/value_ptr, like q's) are
+    not in the cache yet. Every program reads them from there, and the program of a K/V
+    head's first query head writes its tile's rows to slot_ptr's slots (-1: nothing). No
+    program of the launch reads those slots from the cache, so no separate store has to
+    come first."""
     seq = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP_SIZE
@@ -179,13 +206,15 @@ def _prefill_kernel(
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, dims, dim_mask, q_pos,
             seq_len, start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h,
-            block_size, BLOCK_N=BLOCK_N, MASKED=False,
+            block_size, key_ptr, value_ptr, kv_stride_t, kv_stride_h, context, q_start,
+            BLOCK_N=BLOCK_N, MASKED=False, NEW_KV=STORE_NEW_KV,
         )  # fmt: skip
     for start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, dims, dim_mask, q_pos,
             seq_len, start, qk_scale, cache_stride_b, cache_stride_s, cache_stride_h,
-            block_size, BLOCK_N=BLOCK_N, MASKED=True,
+            block_size, key_ptr, value_ptr, kv_stride_t, kv_stride_h, context, q_start,
+            BLOCK_N=BLOCK_N, MASKED=True, NEW_KV=STORE_NEW_KV,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -193,9 +222,24 @@ def _prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & dim_mask[None, :],
     )
+    if STORE_NEW_KV:  # noqa: SIM102 -- a compile-time branch around a runtime one
+        if head % GROUP_SIZE == 0:
+            slots = tl.load(slot_ptr + q_rows, mask=row_mask, other=-1)
+            src = q_rows[:, None] * kv_stride_t + kv_head * kv_stride_h + dims[None, :]
+            dst = (
+                (slots // block_size)[:, None] * cache_stride_b
+                + (slots % block_size)[:, None] * cache_stride_s
+                + kv_head * cache_stride_h
+                + dims[None, :]
+            )
+            store_mask = (slots >= 0)[:, None] & dim_mask[None, :]
+            tl.store(k_cache_ptr + dst, tl.load(key_ptr + src, mask=store_mask), mask=store_mask)
+            tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=store_mask), mask=store_mask)
 
 
-@triton.jit
+# The block table's row stride and the split count change with the step: not specialized
+# (see _prefill_kernel).
+@triton.jit(do_not_specialize=["num_splits", "bt_stride_s"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     block_tables_ptr, seq_lens_ptr, key_ptr, value_ptr, slot_ptr,
@@ -211,7 +255,7 @@ def _decode_kernel(
     STORE_NEW_KV: the sequence's last key (position seq_len - 1, this step's) is not in the
     cache yet. The split that covers it reads it from key_ptr/value_ptr instead, and the
     program of its K/V head's first query head writes it to slot_ptr's slot (-1: padding,
-    nothing written): no program of the launch reads that slot, so no store_kv launch has
+    nothing written): no program of the launch reads that slot, so no separate store has
     to come first."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -297,7 +341,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     part_out_ptr, part_stats_ptr, out_ptr, num_splits, o_stride_t, o_stride_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
@@ -423,8 +467,8 @@ def paged_attention(
 
     With `key`, `value` [num_tokens, num_kv_heads, head_dim] (one strides; the last dim
     contiguous) and `slot_mapping` int64 [num_tokens], the step's own keys and values are
-    not in the cache yet: they are written to it as store_kv would (slot -1: nothing), the
-    decode path's inside its kernel (one launch fewer), the others' by store_kv first.
+    not in the cache yet: the kernels read them from `key`/`value` and write them to their
+    slots (slot -1: nothing), as store_kv_ref would, with no launch of their own.
     Without them the cache already holds every key.
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
@@ -441,9 +485,6 @@ def paged_attention(
         raise ValueError(f"num_decodes must be in [0, {num_seqs}) with longer queries")
     # The decodes' rows lead: one token each, so their tokens are rows [0, num_decodes).
     decode_rows, rest = slice(0, num_decodes), slice(num_decodes, None)
-    if new_kv is not None and num_decodes < num_seqs:
-        new_key, new_value, new_slots = new_kv
-        store_kv(new_key[rest], new_value[rest], k_cache, v_cache, new_slots[rest])
     if num_decodes:
         decode_kv = None
         if new_kv is not None:
@@ -459,7 +500,7 @@ def paged_attention(
         # the whole batch, so q and out are passed whole.
         _prefill(
             q, k_cache, v_cache, block_tables[rest], seq_lens[rest], cu_seqlens_q[rest],
-            max_seqlen_q, out, scale, prefill or prefill_config(q.shape[2], q.dtype),
+            max_seqlen_q, out, scale, prefill or prefill_config(q.shape[2], q.dtype), new_kv,
         )  # fmt: skip
     return out
 
@@ -481,16 +522,22 @@ def _cache_args(k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[int,
 
 def _prefill(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out, scale,
-    tiles: PrefillConfig,
+    tiles: PrefillConfig, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:  # fmt: skip
+    """The tl.dot path over the sequences of block_tables/seq_lens/cu_seqlens_q, whose
+    offsets index q, out and `new_kv` (key, value, slot_mapping: every token row's, the
+    sequences' this step's keys, not in the cache yet) whole."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_seqlen_q, tiles.block_m))
+    # Without new keys the kernel never reads these pointers: any tensors do.
+    key, value, slots = new_kv or (q, q, seq_lens)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, _softmax_scale(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_args(k_cache, block_tables),
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, key, value, slots,
+        _softmax_scale(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key.stride(0), key.stride(1), *_cache_args(k_cache, block_tables),
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), MIN_DOT_DIM),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, GROUP_SIZE=num_heads // k_cache.shape[2],
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        STORE_NEW_KV=new_kv is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
@@ -576,3 +623,19 @@ def paged_attention_ref(
         attended = torch.einsum("hgqk,khd->qhgd", probs, values)  # [q_len, H_kv, G, D]
         out[q_start:q_end] = attended.reshape(-1, num_heads, head_dim).to(out.dtype)
     return out
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache[slot // block_size, slot % block_size] = key[t] (and v_cache from value) for
+    every token t whose slot is not -1: what the kernels store, in plain torch."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    k_cache[slots // block_size, slots % block_size] = key[keep]
+    v_cache[slots // block_size, slots % block_size] = value[keep]

@@ -40,10 +40,8 @@ from octavo.engine.worker.models.configs import GPT2Config
 from octavo.kernels import copy_blocks as copy_blocks_module
 from octavo.kernels import layer_norm as layer_norm_module
 from octavo.kernels import paged_attention as paged_attention_module
-from octavo.kernels import store_kv as store_kv_module
 
 KERNEL_MODULES: tuple[ModuleType, ...] = (
-    store_kv_module,
     paged_attention_module,
     copy_blocks_module,
     layer_norm_module,
@@ -153,9 +151,8 @@ def recorded_launches() -> Iterator[list[KernelLaunch]]:
 def gpt2_workload() -> list[KernelLaunch]:
     """The launches the triton attention backend makes for GPT-2 small to xl and a
     multi-query GPTBigCode, in every dtype: the step's keys and values as strided views of
-    the fused qkv projection (stored by store_kv ahead of the tl.dot path, inside the decode
-    kernel on the decode path), a mixed prefill + decode batch, decode batches at every
-    split factor,
+    the fused qkv projection (stored by the attention kernels themselves), a mixed prefill +
+    decode batch, decode batches at every split factor,
     copy-on-write copies over a small two-layer cache and over one whose per-layer plane
     passes 2**31 elements, and the residual add + LayerNorm at each model's width."""
     with recorded_launches() as launches:
@@ -196,6 +193,13 @@ def _attention_launches(
         _store_and_attend(
             k_cache, v_cache, num_heads, block_tables[:2], query_lens, seq_lens, scale, None,
             num_decodes,
+        )  # fmt: skip
+    # Block tables one and 16 blocks wide (a step's longest sequence sets the width): Triton
+    # would specialize the row stride on 1 and on multiples of 16 if it were let.
+    for width in (1, 16):
+        _store_and_attend(
+            k_cache, v_cache, num_heads, block_tables[:2, :width].contiguous(), [1, 8],
+            [width * block_size, 8], scale, None, 1,
         )  # fmt: skip
     for num_splits in splits:
         decode_lens = [WORKLOAD_CONTEXT] * num_seqs

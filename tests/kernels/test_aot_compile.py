@@ -1,7 +1,7 @@
 """Every kernel specialization GPT-2 and GPTBigCode launch compiles for real GPUs (sm_80,
 sm_90) through Triton's NVIDIA pipeline, with no spills, shared memory within a block's
 limit, tensor cores in the prefill tl.dot path and 16-byte loads wherever K/V bytes or
-activations are moved (but one K/V head's store, below).
+activations are moved.
 
 The interpreter that runs the kernels elsewhere in the suite cannot see any of this."""
 
@@ -55,8 +55,7 @@ def _dtype(variant: dict) -> str:
 
 def test_every_kernel_compiles_for_every_arch_and_dtype(variants):
     kernels = {
-        "_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_copy_blocks_kernel",
-        "_add_layer_norm_kernel",
+        "_prefill_kernel", "_decode_kernel", "_copy_blocks_kernel", "_add_layer_norm_kernel",
     }  # fmt: skip
     for arch in ARCHS:
         for dtype in ("*fp16", "*bf16", "*fp32"):
@@ -96,11 +95,13 @@ def test_grouped_query_kernels_compile_in_every_dtype(variants):
         }, arch
 
 
-def test_launches_from_rows_in_compile_no_variant_of_their_own(variants):
-    """A mixed batch's tl.dot launch and its store_kv read the batch from `num_decodes` rows
-    in; the workload launches both at 0 and 1 rows in, and each compiles once: serving
-    never waits on a compile because a batch's decodes changed a pointer's alignment."""
-    for kernel in ("_prefill_kernel", "_store_kv_kernel"):
+def test_what_changes_with_the_batch_compiles_no_variant_of_its_own(variants):
+    """A mixed batch's tl.dot launch reads the batch from `num_decodes` rows in (the
+    workload launches it at 0 and 1 rows in), the block tables' row stride is their width
+    (1, 16 and 64 blocks in the workload) and the decode split count varies (1 to 16): each
+    kernel compiles once regardless, so serving never waits on a compile because a batch
+    changed a pointer's alignment or an integer's value."""
+    for kernel in ("_prefill_kernel", "_decode_kernel", "_reduce_splits_kernel"):
         keys = [
             (v["arch"], json.dumps(v["signature"], sort_keys=True),
              json.dumps(v["constexprs"], sort_keys=True))
@@ -108,6 +109,8 @@ def test_launches_from_rows_in_compile_no_variant_of_their_own(variants):
             if v["kernel"] == kernel
         ]  # fmt: skip
         assert len(keys) == len(set(keys)), kernel
+        constants = {name for v in variants if v["kernel"] == kernel for name in v["constexprs"]}
+        assert not constants & {"bt_stride_s", "num_splits"}, kernel
 
 
 def test_a_head_narrower_than_a_dot_compiles_padded_to_it(variants):
@@ -137,7 +140,6 @@ def test_dot_kernels_use_tensor_cores_in_16_bit(variants):
 def test_kv_bytes_move_in_16_byte_loads(variants):
     for v in variants:
         if v["kernel"] in (
-            "_store_kv_kernel",
             "_prefill_kernel",
             "_decode_kernel",
             "_copy_blocks_kernel",
@@ -145,9 +147,4 @@ def test_kv_bytes_move_in_16_byte_loads(variants):
         ):
             if v["constexprs"].get("HEAD_DIM") == NARROW_HEAD_DIM:
                 continue  # the narrow head below: compiled for correctness, not speed
-            if v["kernel"] == "_store_kv_kernel" and v["constexprs"]["NUM_HEADS"] == 1:
-                # One K/V head: a token's row is 64 elements for a warp of 32 threads, two
-                # each, and it is 1/12 of GPT-2 small's bytes; tiling several tokens per
-                # program would vectorize it (not measured on a GPU yet).
-                continue
             assert v["vector_loads"] > 0, v

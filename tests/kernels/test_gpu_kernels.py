@@ -6,7 +6,6 @@ import torch
 from octavo.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 from octavo.kernels.paged_attention import paged_attention, paged_attention_ref
-from octavo.kernels.store_kv import store_kv, store_kv_ref
 from tests.kernels.paged_setup import make_batch
 
 pytestmark = pytest.mark.gpu
@@ -125,18 +124,7 @@ def test_paged_attention_head_dims_below_the_mma_minimum(head_dim, shape):
 
 @pytest.mark.gpu_memory
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_store_and_copy_real_sizes(dtype):
-    heads, num_blocks = 25, 2**31 // (BLOCK_SIZE * 25 * HEAD_DIM) + 64
-    cache = torch.zeros((num_blocks, BLOCK_SIZE, heads, HEAD_DIM), dtype=dtype, device="cuda")
-    v_cache = torch.zeros_like(cache)
-    fused = torch.randn((300, 3, heads, HEAD_DIM), dtype=dtype, device="cuda")
-    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:300]
-    slots[::7] = -1
-    expected_k, expected_v = cache.clone(), v_cache.clone()
-    store_kv_ref(fused[:, 1], fused[:, 2], expected_k, expected_v, slots)
-    store_kv(fused[:, 1], fused[:, 2], cache, v_cache, slots)
-    assert torch.equal(cache, expected_k) and torch.equal(v_cache, expected_v)
-    del cache, v_cache, expected_k, expected_v
+def test_copy_blocks_real_sizes(dtype):
     kv = torch.randn((12, 2, 4096, BLOCK_SIZE, 12, HEAD_DIM), dtype=dtype, device="cuda")
     mapping = torch.tensor([[5, 4000], [17, 9], [4095, 0]], dtype=torch.int64, device="cuda")
     expected = kv.clone()

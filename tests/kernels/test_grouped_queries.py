@@ -1,12 +1,11 @@
 """Grouped queries (multi-query attention): several query heads reading one K/V head, in
 paged_attention against its torch twin (Triton interpreter, tiny shapes), the torch backend,
-and store_kv from a multi-query projection."""
+and the step's keys stored from a multi-query projection."""
 
 import pytest
 import torch
 
 from octavo.kernels.paged_attention import DecodeConfig, paged_attention, paged_attention_ref
-from octavo.kernels.store_kv import store_kv, store_kv_ref
 from tests.kernels.paged_setup import PagedBatch, make_batch
 from tests.model.test_config_variants import torch_backend_attention
 
@@ -60,19 +59,35 @@ def test_reference_is_attention_over_kv_heads_repeated_per_query_head(num_kv_hea
     )  # fmt: skip
 
 
-def test_store_kv_from_the_multi_query_projection():
-    """k and v as GPTBigCode's multi-query c_attn gives them: [T, 1, D] strided views of
-    [T, n_embd + 2 D]."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_multi_query_projection_is_stored_and_attended(case):
+    """k and v as GPTBigCode's multi-query c_attn gives them, [T, 1, D] strided views of
+    [T, n_embd + 2 D], not in the cache yet: the kernels store them (one K/V head written
+    once, whichever query heads read it) and attend to them as the reference does."""
+    batch = grouped_batch(case, num_kv_heads=1)
+    num_tokens = batch.q.shape[0]
     generator = torch.Generator().manual_seed(0)
-    num_tokens, num_blocks = 5, 4
     qkv = torch.randn(num_tokens, (NUM_HEADS + 2) * HEAD_DIM, generator=generator)
     key = qkv[:, None, NUM_HEADS * HEAD_DIM : (NUM_HEADS + 1) * HEAD_DIM]
     value = qkv[:, None, (NUM_HEADS + 1) * HEAD_DIM :]
-    slots = torch.tensor([6, -1, 0, 13, 9], dtype=torch.int64)
-    shape = (num_blocks, BLOCK_SIZE, 1, HEAD_DIM)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    store_kv_ref(key, value, expected_k, expected_v, slots)
-    store_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    assert torch.equal(v_cache.view(-1, HEAD_DIM)[13], value[3, 0])
+    slots = []
+    for s, seq_len in enumerate(batch.seq_lens.tolist()):
+        query_len = int(batch.cu_seqlens_q[s + 1] - batch.cu_seqlens_q[s])
+        for pos in range(seq_len - query_len, seq_len):
+            block = int(batch.block_tables[s, pos // BLOCK_SIZE])
+            slots.append(block * BLOCK_SIZE + pos % BLOCK_SIZE)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    reference = PagedBatch(**{**vars(batch), "k_cache": batch.k_cache.clone(),
+                              "v_cache": batch.v_cache.clone()})  # fmt: skip
+    new_kv = {"key": key, "value": value, "slot_mapping": slot_mapping}
+    expected = attend(reference, paged_attention_ref, **new_kv)
+    # A mixed batch's leading decode on the decode kernel: both kernels store.
+    num_decodes = 1 if batch.max_seqlen_q > 1 else 0
+    got = attend(
+        batch, paged_attention, decode=DECODE, num_splits=NUM_SPLITS, num_decodes=num_decodes,
+        **new_kv,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    # nan_to_num: make_batch fills the slots no sequence uses with NaN.
+    assert torch.equal(batch.k_cache.nan_to_num(7), reference.k_cache.nan_to_num(7))
+    assert torch.equal(batch.v_cache.nan_to_num(7), reference.v_cache.nan_to_num(7))

@@ -183,16 +183,19 @@ def _take_new_kv(batch, num_padding: int = 0):
         ([1, 1, 1], [70, 3, 129], 3, 1),
         ([1, 1, 1], [70, 3, 129], 3, 4),  # the new key in a later split than the first
         ([1, 1, 9, 16], [1, 45, 33, 16], 2, 2),  # a first token's decode; chunks after
-        ([1, 12], [20, 30], 0, None),  # a decode on the tl.dot path: stored before it
+        ([1, 12], [20, 30], 0, None),  # a decode on the tl.dot path
+        # A chunk of two tiles (fp32 tiles are 32 rows) after a context, and a whole prompt:
+        # the tl.dot path reads its own keys from `key`, across tiles, and stores its rows.
+        ([1, 40, 7], [50, 70, 7], 1, None),
     ],
 )
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["mha", "mqa"])
 def test_the_steps_own_keys_are_stored_and_attended(
     query_lens, seq_lens, num_decodes, num_splits, num_kv_heads
 ):
-    """Given the step's keys and values, the decode kernel reads a sequence's last key from
-    them, not from its (stale, here NaN) slot, and writes it there: after the call the cache
-    is the one a store_kv first would leave, and the output the reference's."""
+    """Given the step's keys and values, both paths read a sequence's new keys from them,
+    not from their (stale, here NaN) slots, and write them there: after the call the cache
+    is the one storing them first would leave, and the output the reference's."""
     batch = make_batch(
         query_lens, seq_lens, num_heads=2, head_dim=16, block_size=8, dtype=torch.float32,
         seed=8, num_kv_heads=num_kv_heads,
@@ -208,6 +211,19 @@ def test_the_steps_own_keys_are_stored_and_attended(
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(batch.k_cache.nan_to_num(7), full_k.nan_to_num(7))
     assert torch.equal(batch.v_cache.nan_to_num(7), full_v.nan_to_num(7))
+
+
+def test_a_padding_prefill_row_stores_nothing():
+    """A prefill row with slot -1 (padding) leaves its slot alone; the others are stored."""
+    batch = make_batch(
+        [1, 6], [9, 6], num_heads=2, head_dim=16, block_size=4, dtype=torch.float32, seed=10
+    )
+    key, value, slots, (full_k, full_v) = _take_new_kv(batch, num_padding=1)
+    run(batch, paged_attention, num_decodes=1, key=key, value=value, slot_mapping=slots)
+    stored, padding = slots[:-1], batch.block_tables[1, 5 // 4] * 4 + 5 % 4
+    assert torch.equal(batch.k_cache[stored // 4, stored % 4], full_k[stored // 4, stored % 4])
+    assert torch.equal(batch.v_cache[stored // 4, stored % 4], full_v[stored // 4, stored % 4])
+    assert torch.isnan(batch.k_cache[padding // 4, padding % 4]).all()
 
 
 def test_a_padding_decode_row_stores_nothing():

@@ -1,0 +1,59 @@
+"""The first-token benchmark runs on a tiny model: every timed stream gets all its tokens,
+the served TTFT is split into parts that add up to it, and the engine's own figures come
+with it; the stack summarizer reads py-spy's folded format; the contention probe reports a
+row per load."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octavo.benchmarks.stacks import DEFAULT_PHASES, per_step_ms, under_root
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_first_token_parts_add_up_to_the_served_ttft(tmp_path):
+    result_file = tmp_path / "first_token.json"
+    command = [sys.executable, "benchmarks/first_token.py", "--layers", "1", "--hidden", "32",
+               "--heads", "2", "--num-requests", "3", "--warmup", "1", "--output-len", "5",
+               "--result-file", str(result_file), "--server-args", "--kv-cache-gb", "0.0625"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(result_file.read_text())
+    served, engine = result["served"], result["engine"]
+    assert served["events_per_request"] == 5
+    assert served["ttft_ms"]["count"] == engine["ttft_ms"]["count"] == 3
+    assert served["itl_ms"]["count"] == engine["itl_ms"]["count"] == 3 * 4
+    parts = served["parts_mean_ms"]
+    total = parts["outside"] + parts["queue"] + parts["step"]
+    assert total == pytest.approx(parts["client_ttft"])
+    assert parts["queue"] > 0 and parts["step"] > 0
+
+
+def test_stacks_are_counted_per_step_under_the_root(tmp_path):
+    stacks = tmp_path / "stacks.txt"
+    stacks.write_text(
+        'process 1:"octavo serve";run_busy_loop (a.py:1);Scheduler.schedule (s.py:2) 30\n'
+        'process 1:"octavo serve";run_busy_loop (a.py:1);Scheduler.update (s.py:9) 10\n'
+        'process 2:"api";Runner.run (r.py:1) 500\n'
+    )
+    ms = per_step_ms(under_root(stacks, "run_busy_loop"), DEFAULT_PHASES, rate=200, steps=10)
+    assert ms["total under the root"] == pytest.approx(40 / 200 / 10 * 1e3)
+    assert ms["schedule"] == pytest.approx(30 / 200 / 10 * 1e3)
+    assert ms["apply results (update)"] == pytest.approx(10 / 200 / 10 * 1e3)
+    assert ms["route and send outputs"] == 0
+
+
+def test_the_contention_probe_reports_each_load(tmp_path):
+    result_file = tmp_path / "contention.json"
+    command = [sys.executable, "benchmarks/cpu_contention.py", "--busy", "0", "1",
+               "--repeats", "2", "--items", "1000", "--result-file", str(result_file)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(result_file.read_text())["rows"]
+    assert [row["busy_processes"] for row in rows] == [0, 1]
+    assert rows[0]["ratio_to_first"] == 1.0 and rows[1]["median_ms"] > 0
