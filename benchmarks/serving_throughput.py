@@ -22,7 +22,11 @@ streams of short prompts, one token per stream per step.
 Each system runs the whole workload once untimed, then --repeats times; the median run is
 reported, with every run's figure. Throughput = completion tokens (from the usage events;
 exactly num_requests x output_len when nothing failed) / wall time from the first request
-sent to the last stream's end. Where the time goes, per run:
+sent to the last stream's end. The offline engine stays up, and every timed served run comes
+just after a timed offline run: `kept_of_offline` is the median of the served runs' shares
+of their own offline runs (a host-bound engine follows the machine's speed, which drifts
+between runs seconds apart), and the offline figure the median of those offline runs.
+Where the time goes, per run:
   - offline: host work per token, (wall - the model's forward and logits) / tokens, timed
     around the model's `forward` and `compute_logits`;
   - served: each server process's CPU time per token (`/proc`, Linux): the API process(es)
@@ -30,7 +34,9 @@ sent to the last stream's end. Where the time goes, per run:
     attributed. --py-spy-dir DIR also samples every server process's Python stacks during
     each mode's first timed run (py-spy, raw folded stacks, one file per mode): on a GPU,
     where the core's CPU time is all of its wall time (it spins on CUDA events), that is
-    what tells its work from its waiting.
+    what tells its work from its waiting. --timeline-ms MS samples /metrics every MS in
+    each mode's first timed run (the engine's steps, running and waiting requests): whether
+    the engine stepped all along or stalled (`stalled_s`), and how full it ran.
 
     .venv/bin/python benchmarks/serving_throughput.py --layers 6 --hidden 512
     .venv/bin/python benchmarks/serving_throughput.py --preset gpu-speed \
@@ -44,15 +50,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import itertools
 import json
 import os
 import platform
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -72,6 +81,13 @@ from octavo.server.server_args import DEFAULT_MODEL
 
 # The counter of /metrics that says how many steps the engine has run.
 ENGINE_STEPS_METRIC = "octavo:engine_steps_total"
+# What --timeline-ms samples from /metrics: the steps run, and the requests running and
+# waiting in the engine.
+TIMELINE_METRICS = {
+    "steps": ENGINE_STEPS_METRIC,
+    "running": "octavo:num_requests_running",
+    "waiting": "octavo:num_requests_waiting",
+}
 # The GPU memory fraction the offline engine may take, the served one getting the rest.
 OFFLINE_GPU_SHARE = 0.4
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -135,6 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--result-file", type=Path, default=None)
     parser.add_argument("--py-spy-dir", type=Path, default=None,
                         help="sample server stacks in each mode's first timed run")  # fmt: skip
+    parser.add_argument("--timeline-ms", type=float, default=None,
+                        help="sample the engine's steps, running and waiting requests from "
+                        "/metrics this often in each mode's first timed run")  # fmt: skip
     preset = parser.parse_known_args(argv)[0].preset
     if preset is not None:
         parser.set_defaults(**PRESETS[preset])
@@ -229,51 +248,68 @@ def engine_flags(args: argparse.Namespace) -> dict:
     }
 
 
-def run_offline(
-    model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
-) -> dict:
-    """--repeats timed runs of the whole workload after one untimed one; the median run,
-    with its host work per token."""
-    # Here, not at the top: only this run loads torch; the served modes' processes and
-    # api_throughput.py (which shares this module's workload) run no model in this process.
-    import torch
+class OfflineRuns:
+    """The workload through `LLM.generate` in this process, one timed run per `run()` call
+    after an untimed one at construction. The engine stays up beside the served runs, so
+    that each served run is paired with an offline run just before it: a host-bound engine
+    follows the machine's speed, which drifts between runs seconds apart."""
 
-    from octavo.benchmarks.common import PhaseTimer
-    from octavo.engine import LLM, SamplingParams
+    def __init__(
+        self, model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
+    ):
+        # Here, not at the top: only this run loads torch; the served modes' processes and
+        # api_throughput.py (which shares this module's workload) run no model in this
+        # process.
+        import torch
 
-    # On a GPU the served engine runs beside this one and sizes its KV cache from what the
-    # device has free, so this engine takes only its share.
-    share = {"gpu_memory_utilization": OFFLINE_GPU_SHARE} if args.device.startswith("cuda") else {}
-    llm = LLM(str(model), **engine_flags(args), **share)
-    prompts = [prompt for prompt, _ in requests]
-    params = [
-        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        for _, output_len in requests
-    ]
-    # On a GPU the forward returns before the device has run it: no host work to time there.
-    timer = None
-    if not args.device.startswith("cuda"):
-        timer, model = PhaseTimer(torch.device(args.device)), llm.engine.core.runner.model
-        model.forward = timer.wrap("forward", model.forward)
-        model.compute_logits = timer.wrap("forward", model.compute_logits)
-    runs = []
-    for _ in range(args.repeats + 1):
-        if timer is not None:
-            timer.totals.clear()
-        steps = llm.engine.stats().num_steps
+        from octavo.benchmarks.common import PhaseTimer
+        from octavo.engine import LLM, SamplingParams
+
+        # On a GPU the served engine runs beside this one and sizes its KV cache from what
+        # the device has free, so this engine takes only its share.
+        cuda = args.device.startswith("cuda")
+        share = {"gpu_memory_utilization": OFFLINE_GPU_SHARE} if cuda else {}
+        self.llm = LLM(str(model), **engine_flags(args), **share)
+        self.prompts = [prompt for prompt, _ in requests]
+        self.params = [
+            SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+            for _, output_len in requests
+        ]
+        # On a GPU the forward returns before the device has run it: no host work to time.
+        self.timer = None
+        if not cuda:
+            self.timer, forward = (
+                PhaseTimer(torch.device(args.device)),
+                self.llm.engine.core.runner.model,
+            )
+            forward.forward = self.timer.wrap("forward", forward.forward)
+            forward.compute_logits = self.timer.wrap("forward", forward.compute_logits)
+        self.runs: list[dict] = []
+        self.run()  # warm-up, untimed
+        self.runs.clear()
+
+    def run(self) -> dict:
+        """One timed run of the whole workload, kept in `runs`."""
+        if self.timer is not None:
+            self.timer.totals.clear()
+        steps = self.llm.engine.stats().num_steps
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         wall = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         run = {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
-        run |= steps_taken(llm.engine.stats().num_steps - steps, tokens)
-        if timer is not None:
-            run["host_us_per_token"] = (wall - timer.totals["forward"]) / tokens * 1e6
-        runs.append(run)
-    median = median_run(runs[1:])
-    if timer is not None:
-        median["all_host_us_per_token"] = [r["host_us_per_token"] for r in runs[1:]]
-    return median
+        run |= steps_taken(self.llm.engine.stats().num_steps - steps, tokens)
+        if self.timer is not None:
+            run["host_us_per_token"] = (wall - self.timer.totals["forward"]) / tokens * 1e6
+        self.runs.append(run)
+        return run
+
+    def summary(self) -> dict:
+        """The median of every timed run, with each run's figures."""
+        median = median_run(self.runs)
+        if self.timer is not None:
+            median["all_host_us_per_token"] = [r["host_us_per_token"] for r in self.runs]
+        return median
 
 
 def steps_taken(steps: int | None, tokens: int) -> dict:
@@ -291,11 +327,60 @@ def fill(run: dict) -> str:
 
 def engine_steps(port: int) -> int | None:
     """The engine steps a server has run (its /metrics), or None if it does not say."""
+    steps = read_metrics(port, {"steps": ENGINE_STEPS_METRIC}).get("steps")
+    return None if steps is None else int(steps)
+
+
+def read_metrics(port: int, names: dict[str, str]) -> dict[str, float]:
+    """The values of the /metrics samples named in `names` (key -> exact sample name)."""
+    wanted = {metric: key for key, metric in names.items()}
+    found = {}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         for line in response.read().decode().splitlines():
-            if line.startswith(f"{ENGINE_STEPS_METRIC} "):
-                return int(float(line.split()[1]))
-    return None
+            name, _, value = line.partition(" ")
+            if name in wanted:
+                found[wanted[name]] = float(value)
+    return found
+
+
+@contextlib.contextmanager
+def metrics_timeline(port: int, interval_ms: float | None) -> Iterator[list[dict]]:
+    """Samples TIMELINE_METRICS every `interval_ms` from a thread while the block runs, each
+    sample stamped with time.time() (the clients' clock); nothing if None."""
+    samples: list[dict] = []
+    if interval_ms is None:
+        yield samples
+        return
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval_ms / 1e3):
+            samples.append({"time": time.time(), **read_metrics(port, TIMELINE_METRICS)})
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
+def timeline_summary(samples: list[dict], began: float, wall_s: float) -> dict:
+    """A run's timeline from its first request: per sample, seconds since then and the
+    steps, running and waiting requests; and `stalled_s`, the time within the run between
+    samples over which the engine ran no step (it had nothing to run, or was not stepping)."""
+    inside = [s for s in samples if began <= s["time"] <= began + wall_s]
+    stalled = sum(
+        b["time"] - a["time"] for a, b in itertools.pairwise(inside) if b["steps"] == a["steps"]
+    )
+    return {
+        "stalled_s": stalled,
+        "samples": [
+            [round(s["time"] - began, 4), s["steps"], s["running"], s["waiting"]] for s in inside
+        ],
+        "sample_fields": ["seconds_since_first_request", "steps", "running", "waiting"],
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -332,9 +417,11 @@ def run_served(
     args: argparse.Namespace,
     root: Path,
     modes: list[str],
+    offline: OfflineRuns,
 ) -> dict[str, dict]:
     """Serves the workload in each of `modes`, which share their server flags, from one
-    `octavo serve` of checkout `root`; the median run of each mode."""
+    `octavo serve` of checkout `root`, each timed run just after an offline one; the median
+    run of each mode, and the median of its runs' shares of their offline runs."""
     port = free_port()
     flags = engine_flags(args)
     cmd = [sys.executable, "-m", "octavo", "serve", "--model", str(model)]
@@ -360,24 +447,44 @@ def run_served(
             run_clients(port, sent)  # warm-up: the whole workload once, untimed
             runs = []
             for repeat in range(args.repeats):
+                paired = offline.run()["tokens_per_s"]
                 steps = engine_steps(port)
                 before = process_tree_cpu(server.pid)
                 samples = None
                 if args.py_spy_dir is not None and repeat == 0:
                     prefix = "" if root == REPO_ROOT else "before_"
                     samples = args.py_spy_dir / f"{prefix}{mode}.txt"
-                with stack_samples(server.pid, samples):
+                timeline_ms = args.timeline_ms if repeat == 0 else None
+                with (
+                    stack_samples(server.pid, samples),
+                    metrics_timeline(port, timeline_ms) as timeline,
+                ):
                     run = run_clients(port, sent, args.client_procs)
+                if timeline_ms is not None:
+                    run["timeline"] = timeline_summary(timeline, run["began"], run["wall_s"])
                 after = process_tree_cpu(server.pid)
                 steps_after = engine_steps(port)
                 taken = None if steps is None or steps_after is None else steps_after - steps
                 run |= steps_taken(taken, run["completion_tokens"])
+                run["paired_offline_tokens_per_s"] = paired
+                run["kept_of_offline"] = run["tokens_per_s"] / paired
                 run["cpu_us_per_token"] = {
                     name: (seconds - before.get(name, 0.0)) / run["completion_tokens"] * 1e6
                     for name, seconds in after.items()
                 }
                 runs.append(run)
-            results[mode] = median_run(runs) | {"command": " ".join(cmd[1:])}
+            # The first run's timeline, whichever run is the median.
+            timeline = {"timeline": runs[0].pop("timeline")} if "timeline" in runs[0] else {}
+            kept = [run["kept_of_offline"] for run in runs]
+            results[mode] = (
+                median_run(runs)
+                | timeline
+                | {
+                    "kept_of_offline": statistics.median(kept),
+                    "all_kept_of_offline": kept,
+                    "command": " ".join(cmd[1:]),
+                }
+            )
     return results
 
 
@@ -417,16 +524,9 @@ def main(argv: list[str] | None = None) -> int:
                 "prefill_interval": args.prefill_interval,
                 "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
             },
-            "offline": run_offline(model, requests, args),
             "served": {},
         }
-        offline = result["offline"]["tokens_per_s"]
-        host = result["offline"].get("host_us_per_token")
-        print(
-            f"offline LLM.generate: {offline:,.0f} tok/s, "
-            f"{fill(result['offline'])}"
-            + ("" if host is None else f", host work {host:.1f} us/token")
-        )
+        offline = OfflineRuns(model, requests, args)
         runs = [(mode, here, mode) for mode in args.modes]
         if args.before_root is not None:
             before = f"before@{git_commit(args.before_root)}"
@@ -436,16 +536,24 @@ def main(argv: list[str] | None = None) -> int:
         for _, root, mode in runs:
             servers.setdefault((root, tuple(MODES[mode][0])), []).append(mode)
         by_server = {
-            key: run_served(model, requests, args, key[0], modes) for key, modes in servers.items()
+            key: run_served(model, requests, args, key[0], modes, offline)
+            for key, modes in servers.items()
         }
+        result["offline"] = offline.summary()
+        host = result["offline"].get("host_us_per_token")
+        print(
+            f"offline LLM.generate: {result['offline']['tokens_per_s']:,.0f} tok/s (median of "
+            f"{len(offline.runs)}, each before a served run), {fill(result['offline'])}"
+            + ("" if host is None else f", host work {host:.1f} us/token")
+        )
         for name, root, mode in runs:
             served = by_server[root, tuple(MODES[mode][0])][mode]
-            served["kept_of_offline"] = served["tokens_per_s"] / offline
             result["served"][name] = served
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in served["cpu_us_per_token"].items())
             print(
                 f"served {name}: {served['tokens_per_s']:,.0f} tok/s "
-                f"({served['kept_of_offline']:.0%} of offline), {fill(served)}, "
+                f"({served['kept_of_offline']:.0%} of the offline run before it, median), "
+                f"{fill(served)}, "
                 f"failed {served['failed']}, "
                 f"client CPU {served['client_cpu_share_of_a_core']:.0%} of a core; "
                 f"server CPU us/token: {cpu}"

@@ -43,15 +43,21 @@ def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_pat
     assert 6 * 5 <= tokens <= 6 * 9  # each request's length drawn from 5-9
     assert set(result["served"]) == {"streamed", "inprocess", "unstreamed", "interval8"}
     offline = result["offline"]
-    offline_rate = offline["tokens_per_s"]
-    assert offline_rate == pytest.approx(tokens / offline["wall_s"])
+    assert offline["tokens_per_s"] == pytest.approx(tokens / offline["wall_s"])
+    # One offline run before each served run (4 modes, 1 timed run each).
+    assert len(offline["all_tokens_per_s"]) == 4
     # Host work: the wall time less the model's, so above 0 and below the whole.
     assert 0 < offline["host_us_per_token"] < offline["wall_s"] / tokens * 1e6
     assert offline["host_us_per_token"] in offline["all_host_us_per_token"]
     for mode, served in result["served"].items():
         assert served["failed"] == 0 and served["completion_tokens"] == tokens, mode
         assert served["tokens_per_s"] == pytest.approx(tokens / served["wall_s"]), mode
-        assert served["kept_of_offline"] == pytest.approx(served["tokens_per_s"] / offline_rate)
+        # Each served run against the offline run just before it (one timed run each here).
+        assert offline["tokens_per_s"] in offline["all_tokens_per_s"]
+        assert served["all_kept_of_offline"] == [served["kept_of_offline"]], mode
+        paired = served["paired_offline_tokens_per_s"]
+        assert paired in offline["all_tokens_per_s"], mode
+        assert served["kept_of_offline"] == pytest.approx(served["tokens_per_s"] / paired)
         # The API process, and the engine core process it started (inprocess: none).
         cpu = served["cpu_us_per_token"]
         assert "main" in cpu and min(cpu.values()) >= 0
