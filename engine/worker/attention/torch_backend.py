@@ -215,9 +215,13 @@ class TorchAttentionBackend(AttentionBackend):
                     mask, causal = positions[None, :] <= positions[:, None], False
                 if mask is not None:
                     mask = mask.repeat_interleave(group, dim=0)  # [q_len * G, keys]
+            # A leading batch of one: SDPA takes its fused CPU kernel (flash attention) for
+            # 4-D inputs only; 3-D ones fall back to the unfused math path, several times
+            # slower (and slower still in bfloat16).
             o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, is_causal=causal, scale=scale
-            )
+                query[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                scale=scale,
+            )[0]  # fmt: skip
             if group == 1:
                 out[s.start : s.end] = o.transpose(0, 1)
             else:  # [H_kv, q_len * G, D] -> this sequence's rows of out, [q_len, H, D]
