@@ -8,12 +8,13 @@ offline `LLMEngine`, in the `AsyncEngine`'s thread, or in its own process (`core
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from octavo import kernels
-from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig, cpu_computes_bfloat16
 from octavo.engine.core.beam_state import BeamState
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.request_outputs import final_output, refused_output
@@ -43,6 +44,7 @@ from octavo.engine.worker.models.weights import load_model
 from octavo.engine.worker.sampler import Sampler
 
 _GIB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 def make_backend(config: EngineConfig) -> AttentionBackend:
@@ -69,6 +71,11 @@ class EngineCore:
         self.config = config
         self.device = config.torch_device
         dtype = config.torch_dtype
+        if self.device.type == "cpu" and dtype == torch.bfloat16 and not cpu_computes_bfloat16():
+            logger.warning(
+                "dtype bfloat16 on a CPU without AMX or AVX512-BF16: its products are emulated "
+                "and run slower than in float32; --dtype float32 (or auto) is faster here"
+            )
         backend = make_backend(config)
         if config.block_size < backend.min_block_size:
             raise ValueError(

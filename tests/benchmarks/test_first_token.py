@@ -20,14 +20,18 @@ def test_first_token_parts_add_up_to_the_served_ttft(tmp_path):
     result_file = tmp_path / "first_token.json"
     command = [sys.executable, "benchmarks/first_token.py", "--layers", "1", "--hidden", "32",
                "--heads", "2", "--num-requests", "3", "--warmup", "1", "--output-len", "5",
-               "--result-file", str(result_file), "--server-args", "--kv-cache-gb", "0.0625"]  # fmt: skip
+               "--result-file", str(result_file),
+               "--server-args", "--kv-cache-gb", "0.0625"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(result_file.read_text())
     served, engine = result["served"], result["engine"]
-    assert served["events_per_request"] == 5
+    # A token whose text is an incomplete character waits for the next: at most 5 events.
+    events = served["events_per_request"]
+    assert 1 <= events <= 5
     assert served["ttft_ms"]["count"] == engine["ttft_ms"]["count"] == 3
-    assert served["itl_ms"]["count"] == engine["itl_ms"]["count"] == 3 * 4
+    assert served["itl_ms"]["count"] == round(3 * (events - 1))
+    assert engine["itl_ms"]["count"] == 3 * 4  # the engine returns every token
     parts = served["parts_mean_ms"]
     total = parts["outside"] + parts["queue"] + parts["step"]
     assert total == pytest.approx(parts["client_ttft"])

@@ -109,7 +109,9 @@ def assert_same(outputs, expected, cases):
     ids=["roomy", "preempting", "preempting_async_scheduling"],
 )
 def test_beam_search_equals_transformers(eos_model_dir, hf_eos, cases, expected, engine_kwargs):
-    engine = LLMEngine(EngineConfig(model=eos_model_dir, device="cpu", **engine_kwargs))
+    engine = LLMEngine(
+        EngineConfig(model=eos_model_dir, device="cpu", dtype="float32", **engine_kwargs)
+    )
     shares = []  # preempted multi-beam groups that recomputed their prompt once, then forked
     share = engine.scheduler._share_recomputed_prompt
     engine.scheduler._share_recomputed_prompt = lambda g, s: (
@@ -145,7 +147,9 @@ def test_min_tokens_keeps_eos_out_of_the_first_steps(eos_model_dir, hf_eos):
         )
     ]
     expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
-    engine = LLMEngine(EngineConfig(model=eos_model_dir, device="cpu", num_blocks=2048))
+    engine = LLMEngine(
+        EngineConfig(model=eos_model_dir, device="cpu", dtype="float32", num_blocks=2048)
+    )
     outputs = run_to_completion(engine, [p for p, _ in cases], [p for _, p in cases])
     assert_same(outputs, expected, cases)
     for output, (_, params) in zip(outputs, cases, strict=True):
@@ -156,7 +160,13 @@ def test_block_accounting_of_forking_beams(eos_model_dir, hf_eos):
     """Beams share the prompt once and copy at most beam_width blocks per step."""
     width, block_size = 8, 4
     engine = LLMEngine(
-        EngineConfig(model=eos_model_dir, device="cpu", num_blocks=512, block_size=block_size)
+        EngineConfig(
+            model=eos_model_dir,
+            device="cpu",
+            dtype="float32",
+            num_blocks=512,
+            block_size=block_size,
+        )
     )
     bm = engine.block_manager
     copies_per_step: list[int] = []
@@ -187,7 +197,12 @@ def test_block_accounting_of_forking_beams(eos_model_dir, hf_eos):
 def test_beam_requests_that_could_never_run_are_refused(tiny_model_dir):
     engine = LLMEngine(
         EngineConfig(
-            model=tiny_model_dir, device="cpu", num_blocks=64, block_size=8, max_num_seqs=4
+            model=tiny_model_dir,
+            device="cpu",
+            dtype="float32",
+            num_blocks=64,
+            block_size=8,
+            max_num_seqs=4,
         )
     )
     with pytest.raises(ValueError, match="beam_width"):
@@ -209,7 +224,9 @@ def test_beam_params_are_validated():
 
 def test_an_aborted_beam_search_reports_its_live_beams(eos_model_dir):
     engine = LLMEngine(
-        EngineConfig(model=eos_model_dir, device="cpu", num_blocks=256, block_size=4)
+        EngineConfig(
+            model=eos_model_dir, device="cpu", dtype="float32", num_blocks=256, block_size=4
+        )
     )
     params = BeamSearchParams(beam_width=3, max_tokens=30, num_return_sequences=2, ignore_eos=True)
     engine.add_request("r", [5, 6, 7], params)

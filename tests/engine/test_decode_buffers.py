@@ -44,7 +44,12 @@ class EagerBucketReplay:
 
 def triton_engine(model_dir: str) -> LLMEngine:
     config = EngineConfig(
-        model=model_dir, device="cpu", num_blocks=96, block_size=8, attention_backend="triton"
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        num_blocks=96,
+        block_size=8,
+        attention_backend="triton",
     )
     return LLMEngine(config)
 

@@ -46,8 +46,8 @@ def test_piecewise_steps_give_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     an earlier, larger step left in the buffers. (The torch backend: the Triton kernels'
     engine runs are test_triton_backend's; the captured pieces over them, test_gpu_engine's.)"""
     config = EngineConfig(
-        model=tiny_model_dir, device="cpu", num_blocks=96, block_size=8, max_num_seqs=3,
-        max_num_batched_tokens=STEP_TOKENS,
+        model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=96, block_size=8,
+        max_num_seqs=3, max_num_batched_tokens=STEP_TOKENS,
     )  # fmt: skip
     engine = LLMEngine(config)
     pieces = RecordingPieces(engine)
@@ -65,8 +65,8 @@ def test_beams_through_the_pieces_equal_hf(eos_model_dir, hf_eos):
     HF's beams and scores."""
     cases = [make_case(seed, hf_eos.config.vocab_size) for seed in range(4)]
     engine = LLMEngine(
-        EngineConfig(model=eos_model_dir, device="cpu", num_blocks=512, block_size=8,
-                     max_num_batched_tokens=STEP_TOKENS)
+        EngineConfig(model=eos_model_dir, device="cpu", dtype="float32", num_blocks=512,
+                     block_size=8, max_num_batched_tokens=STEP_TOKENS)
     )  # fmt: skip
     pieces = RecordingPieces(engine)
     engine.runner.piecewise = pieces
@@ -79,7 +79,9 @@ def test_beams_through_the_pieces_equal_hf(eos_model_dir, hf_eos):
 def test_the_pieces_equal_the_model_forward_over_stale_padding(tiny_model_dir):
     """Hidden states of the pieces = the model's forward, row for row, whatever the buffers'
     rows past the step hold (here: NaN)."""
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_blocks=96))
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=96)
+    )
     runner = engine.runner
     pieces = PiecewiseGraphs(runner.model, runner.kv_cache, STEP_TOKENS, capture=False)
     for buffer in (pieces.qkv, pieces.attended, pieces.residual, pieces.hidden):

@@ -20,7 +20,9 @@ VICTIM = "req-2"
 
 
 def engine_for(model_dir: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, device="cpu", num_blocks=256, block_size=4))
+    return LLMEngine(
+        EngineConfig(model=model_dir, device="cpu", dtype="float32", num_blocks=256, block_size=4)
+    )
 
 
 def poison(engine: LLMEngine | AsyncEngine, request_id: str, where: str) -> None:
@@ -122,7 +124,9 @@ def test_extreme_length_penalties_run_to_the_end(eos_model_dir, length_penalty):
 
 
 def make_async(model_dir: str) -> AsyncEngine:
-    config = EngineConfig(model=model_dir, device="cpu", num_blocks=256, block_size=4)
+    config = EngineConfig(
+        model=model_dir, device="cpu", dtype="float32", num_blocks=256, block_size=4
+    )
     return AsyncEngine.in_process(config, max_num_waiting=8)
 
 

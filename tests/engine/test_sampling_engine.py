@@ -19,7 +19,13 @@ def async_scheduling(request) -> bool:
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
-    config = {"model": model_dir, "device": "cpu", "num_blocks": 256, "block_size": 8} | overrides
+    config = {
+        "model": model_dir,
+        "device": "cpu",
+        "dtype": "float32",
+        "num_blocks": 256,
+        "block_size": 8,
+    } | overrides
     return LLMEngine(EngineConfig(**config))
 
 
@@ -151,7 +157,7 @@ def test_logprobs_equal_hf_log_softmax(tiny_model_dir, hf_tiny, prompts, async_s
 
 
 def test_text_prompts_and_stop_strings_end_to_end(tiny_model_dir):
-    llm = LLM(model=tiny_model_dir, device="cpu", num_blocks=128, block_size=8)
+    llm = LLM(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=128, block_size=8)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     full = llm.generate("The return statement", greedy, use_tqdm=False)[0].outputs[0]
     assert full.finish_reason == "length" and len(full.text) > 20

@@ -69,7 +69,7 @@ CONSTRAINTS = {
 
 
 def engine(model_dir: str, **config) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, device="cpu", **config))
+    return LLMEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", **config))
 
 
 def prompts(vocab: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ def engine(model_dir: str, backend: str, **overrides) -> LLMEngine:
     config = {
         "model": model_dir,
         "device": "cpu",
+        "dtype": "float32",
         "num_blocks": 128,
         "block_size": 8,
         "max_num_batched_tokens": 24,

@@ -227,6 +227,7 @@ def test_triton_backend_greedy_equals_transformers(variants, pytestconfig):
         EngineConfig(
             model=folder,
             device="cpu",
+            dtype="float32",
             num_blocks=16,
             block_size=4,
             max_num_batched_tokens=12,

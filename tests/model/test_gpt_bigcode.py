@@ -113,7 +113,8 @@ def test_triton_backend_greedy_equals_transformers(checkpoints, pytestconfig):
     expected = [hf_greedy(hf, p, 5) for p in prompts]
     engine = LLMEngine(
         EngineConfig(
-            model=folder, device="cpu", num_blocks=16, block_size=4, max_num_batched_tokens=12,
+            model=folder, device="cpu", dtype="float32", num_blocks=16, block_size=4,
+            max_num_batched_tokens=12,
             max_model_len=SHORT_MAX_MODEL_LEN, attention_backend="triton",
         )
     )  # fmt: skip

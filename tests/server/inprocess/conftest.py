@@ -73,7 +73,7 @@ class InProcessServer:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         engine_config = EngineConfig(
-            model=model_dir, device="cpu", **(ENGINE_ARGS | (engine_args or {}))
+            model=model_dir, device="cpu", dtype="float32", **(ENGINE_ARGS | (engine_args or {}))
         )
         self.engine = AsyncEngine.in_process(engine_config, MAX_NUM_WAITING)
         config = {
