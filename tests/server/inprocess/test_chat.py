@@ -31,7 +31,7 @@ RENDERED_MESSAGES = [*MESSAGES[:3], {"role": "user", "content": "Now a\nlis"}]
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir):
-    return LLM(model=tiny_model_dir, device="cpu", num_blocks=256, block_size=8)
+    return LLM(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=256, block_size=8)
 
 
 @pytest.fixture(scope="module")
