@@ -49,8 +49,9 @@ class EngineConfig:
                   "/ gpt2-xl / gpt_bigcode or a folder with only config.json)"}
     )  # fmt: skip
     dtype: str = field(
-        default="auto", metadata={"help": "weights and KV cache dtype (auto: float16 on CUDA, "
-                                  "float32 on CPU)", "choices": ("auto", *DTYPES)}
+        default="auto", metadata={"help": "weights and KV cache dtype (auto: float16 on CUDA; "
+                                  "on CPU bfloat16 where the CPU computes it (AMX or "
+                                  "AVX512-BF16), float32 elsewhere)", "choices": ("auto", *DTYPES)}
     )  # fmt: skip
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
@@ -226,19 +227,20 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """float32 on CPU and float16 on CUDA unless a dtype is named. (Not bfloat16 on a CPU
-        that computes it: torch's oneDNN products compile and cache a kernel per distinct
-        row count, so a server's varying batches grow it by hundreds of MB.)"""
+        """float16 on CUDA; on CPU bfloat16 where the CPU computes it natively
+        (`cpu_computes_bfloat16`), float32 elsewhere; unless a dtype is named."""
         import torch
 
         if self.dtype == "auto":
-            return torch.float16 if self.torch_device.type == "cuda" else torch.float32
+            if self.torch_device.type == "cuda":
+                return torch.float16
+            return torch.bfloat16 if cpu_computes_bfloat16() else torch.float32
         return getattr(torch, self.dtype)
 
 
 def cpu_computes_bfloat16() -> bool:
     """Whether this CPU has bfloat16 arithmetic (AMX tiles or AVX512-BF16), as vLLM's CPU
-    backend asks before it uses bfloat16. Elsewhere oneDNN emulates it, slower than
+    backend asks before it defaults to bfloat16. Elsewhere oneDNN emulates it, slower than
     float32."""
     import torch
 

@@ -1,6 +1,6 @@
-"""The default dtype (float32 on CPU, float16 on CUDA); bfloat16 on a CPU that computes it,
-and what it keeps of float32's greedy tokens on the embedded model against Hugging Face's own
-bfloat16; bfloat16 where the CPU lacks it warns."""
+"""The default dtype: bfloat16 on a CPU that computes it (float32 elsewhere), float16 on CUDA;
+what bfloat16 keeps of float32's greedy tokens on the embedded model, against Hugging Face's
+own bfloat16; bfloat16 where the CPU lacks it warns."""
 
 import pytest
 import tokenizers
@@ -23,8 +23,9 @@ TEXTS = [
 ]
 
 
-def test_auto_resolves_by_device():
-    assert EngineConfig(model="m", device="cpu").torch_dtype == torch.float32
+def test_auto_resolves_by_device_and_cpu():
+    expected = torch.bfloat16 if cpu_computes_bfloat16() else torch.float32
+    assert EngineConfig(model="m", device="cpu").torch_dtype == expected
     assert EngineConfig(model="m", device="cuda").torch_dtype == torch.float16
     assert EngineConfig(model="m", device="cpu", dtype="bfloat16").torch_dtype == torch.bfloat16
 
@@ -41,14 +42,14 @@ def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> int:
 
 
 @pytest.mark.skipif(not cpu_computes_bfloat16(), reason="this CPU emulates bfloat16")
-def test_bfloat16_keeps_float32s_greedy_tokens_as_long_as_hf_bfloat16(caplog):
+def test_the_default_keeps_float32s_greedy_tokens_as_long_as_hf_bfloat16(caplog):
     tokenizer = tokenizers.Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     prompts = [tokenizer.encode(text).ids for text in TEXTS]
     hf32 = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.bfloat16).eval()
     reference = [hf_greedy(hf32, p, MAX_TOKENS) for p in prompts]
     hf_bfloat16 = [hf_greedy(hf16, p, MAX_TOKENS) for p in prompts]
-    llm = LLM(str(DEFAULT_MODEL), device="cpu", dtype="bfloat16", kv_cache_gb=0.0625)
+    llm = LLM(str(DEFAULT_MODEL), device="cpu", kv_cache_gb=0.0625)  # the default
     assert next(llm.engine.core.runner.model.parameters()).dtype == torch.bfloat16
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     ours = [o.outputs[0].token_ids for o in outputs]

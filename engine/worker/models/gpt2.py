@@ -13,6 +13,7 @@ from torch import nn
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.engine.worker.models.configs import GPT2Config
+from octavo.engine.worker.models.linear import Linear, linear
 from octavo.kernels.layer_norm import add_layer_norm, add_layer_norm_ref
 
 # QuickGELU's x * sigmoid(1.702 x): 1.702 is the constant with which the sigmoid best
@@ -81,8 +82,8 @@ class GPT2Attention(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.scale = config.attention_scale(layer)
-        self.c_attn = nn.Linear(config.n_embd, config.qkv_width)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = Linear(config.n_embd, config.qkv_width)
+        self.c_proj = Linear(config.n_embd, config.n_embd)
         self.backend = backend
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,8 +109,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
-        self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
+        self.c_fc = Linear(config.n_embd, config.inner_dim)
+        self.c_proj = Linear(config.inner_dim, config.n_embd)
         self.act = ACTIVATIONS[config.activation_function]
         self.tanh_gelu = self.act is _tanh_gelu
 
@@ -221,7 +222,7 @@ class GPT2LMHeadModel(nn.Module):
             GPT2Block(config, i, backend, self.attention_class) for i in range(config.n_layer)
         )
         self.ln_f = AddLayerNorm(config.n_embd, config.layer_norm_epsilon, backend.fused_layer_norm)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
         # lm_head's weight padded with zero rows (pad_lm_head); None computes it unpadded.
@@ -274,5 +275,5 @@ class GPT2LMHeadModel(nn.Module):
         greedy batch's argmax needs none (a [S, vocab] copy the size of the product)."""
         if self.lm_head_padded is None:
             return self.lm_head(hidden)
-        logits = F.linear(hidden, self.lm_head_padded)  # [S, padded vocab]
+        logits = linear(hidden, self.lm_head_padded)  # [S, padded vocab]
         return logits[:, : self.config.vocab_size]
