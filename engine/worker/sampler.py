@@ -218,10 +218,13 @@ def on_device(
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value (the first of equal ones, as torch.argmax), int64.
-    On CPU through numpy, which is faster than torch.argmax there (for vocabularies of 256
-    and 50257 alike)."""
-    if values.device.type == "cpu" and values.dtype == torch.float32:
-        return torch.from_numpy(values.numpy().argmax(axis=-1))
+    On CPU, float32 through numpy and other dtypes through torch.max's indices: each is
+    several times faster than torch.argmax there (for vocabularies of 256 and 50257 alike;
+    bfloat16 has no vectorized argmax)."""
+    if values.device.type == "cpu":
+        if values.dtype == torch.float32:
+            return torch.from_numpy(values.numpy().argmax(axis=-1))
+        return values.max(dim=-1).indices
     return values.argmax(dim=-1)
 
 

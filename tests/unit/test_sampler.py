@@ -189,7 +189,7 @@ def test_argmax_rows_matches_torch_argmax_with_ties_infinities_and_nan():
     values[5, 7] = float("inf")
     values[9, 11] = float("nan")
     strided = torch.randn(16, 100, generator=generator)[:, ::3]
-    for x in (values, strided, values.to(torch.bfloat16)):
+    for x in (values, strided, values.to(torch.bfloat16), values.to(torch.float16)):
         got = argmax_rows(x)
         assert got.dtype == torch.int64
         assert torch.equal(got, x.argmax(dim=-1))
