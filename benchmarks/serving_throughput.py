@@ -278,12 +278,10 @@ class OfflineRuns:
         # On a GPU the forward returns before the device has run it: no host work to time.
         self.timer = None
         if not cuda:
-            self.timer, forward = (
-                PhaseTimer(torch.device(args.device)),
-                self.llm.engine.core.runner.model,
-            )
-            forward.forward = self.timer.wrap("forward", forward.forward)
-            forward.compute_logits = self.timer.wrap("forward", forward.compute_logits)
+            self.timer = PhaseTimer(torch.device(args.device))
+            network = self.llm.engine.core.runner.model
+            network.forward = self.timer.wrap("forward", network.forward)
+            network.compute_logits = self.timer.wrap("forward", network.compute_logits)
         self.runs: list[dict] = []
         self.run()  # warm-up, untimed
         self.runs.clear()
