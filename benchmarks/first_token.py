@@ -48,13 +48,17 @@ from octavo.benchmarks.sse_client import free_port, running_server
 from octavo.engine.config import DTYPES
 from octavo.server.server_args import ServerArgs
 
-MODEL_NAME = "bench"
+MODEL_NAME = serving_throughput.MODEL_NAME
 # The server's histograms whose means make the parts (name -> part).
 HISTOGRAMS = {
     "octavo:time_to_first_token_seconds": "server_ttft",
     "octavo:request_queue_time_seconds": "queue",
 }
-PRESETS = {"gpt2": {"layers": 12, "hidden": 768, "heads": 12}}
+# serving_throughput's presets' shapes (their workloads are that script's).
+PRESETS = {
+    name: {key: preset[key] for key in ("layers", "hidden", "heads")}
+    for name, preset in serving_throughput.PRESETS.items()
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
