@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM's flag and name; quantization.py says what int8 does.
+QUANTIZATIONS = ("int8",)
 # The default prefill_interval where decode steps replay CUDA graphs: the interval measured
 # against admitting every step (benchmarks/README, "prefill interval").
 GRAPH_PREFILL_INTERVAL = 8
@@ -54,6 +56,14 @@ class EngineConfig:
                                   "AVX512-BF16), float32 elsewhere)", "choices": ("auto", *DTYPES)}
     )  # fmt: skip
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    quantization: str | None = field(
+        default=None,
+        metadata={"help": "int8: int8 weights (per output channel) and activations (per "
+                  "token) on the CPU's int8 units, on CPU only (the --dtype is that of "
+                  "activations, biases and the KV cache); fastest at small batches "
+                  "(benchmarks/README, \"int8 weights\")",
+                  "choices": QUANTIZATIONS},
+    )  # fmt: skip
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     num_blocks: int | None = field(
         default=None,
@@ -167,6 +177,10 @@ class EngineConfig:
             raise ValueError(
                 "piecewise_cuda_graphs needs CUDA graphs: device cuda, attention_backend "
                 "triton (the default there) and no enforce_eager"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
             )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")

@@ -76,6 +76,14 @@ class EngineCore:
                 "dtype bfloat16 on a CPU without AMX or AVX512-BF16: its products are emulated "
                 "and run slower than in float32; --dtype float32 (or auto) is faster here"
             )
+        if config.quantization is not None and (
+            self.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+        ):
+            raise ValueError(
+                f"quantization {config.quantization!r} runs on a CPU with oneDNN only (its "
+                f"int8 products), not on {self.device.type}"
+                + ("" if self.device.type == "cpu" else "; leave --quantization unset there")
+            )
         backend = make_backend(config)
         if config.block_size < backend.min_block_size:
             raise ValueError(
@@ -83,8 +91,9 @@ class EngineCore:
                 f"{backend.name} attention backend, got {config.block_size}"
             )
         loaded = load_model(
-            config.model, config.load_format, backend, self.device, dtype, config.seed
-        )
+            config.model, config.load_format, backend, self.device, dtype, config.seed,
+            config.quantization,
+        )  # fmt: skip
         self.model_config = loaded.config
         self.eos_token_id = loaded.eos_token_id
         n_positions = self.model_config.n_positions

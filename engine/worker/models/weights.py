@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.models.linear import PackedLinear, can_pack, replace_linears
 from octavo.engine.worker.models.model_files import eos_token_id, model_config
+from octavo.engine.worker.models.quantization import Int8Linear
 from octavo.engine.worker.models.registry import model_class
 
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
@@ -39,7 +41,11 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     seed: int,
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """The model on `device` in `dtype`; on a CPU its linear layers are then prepared for
+    the CPU's kernels (linear.py): int8 with `quantization` "int8", else oneDNN-packed
+    where `can_pack(dtype)`."""
     path, config = model_config(model, load_format)
     eos = eos_token_id(path, config)
     config = replace(config, eos_token_id=eos)
@@ -57,6 +63,10 @@ def load_model(
     net = net.to(dtype).eval()
     if device.type == "cuda":
         net.pad_lm_head(CUDA_LM_HEAD_ROW_MULTIPLE)
+    elif quantization == "int8":
+        replace_linears(net, Int8Linear)
+    elif can_pack(dtype):
+        replace_linears(net, PackedLinear)
     return LoadedModel(net, config, eos)
 
 

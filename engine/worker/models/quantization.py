@@ -1,0 +1,64 @@
+"""`--quantization int8` on a CPU: int8 weights and int8 activations, the product in int32
+on the CPU's int8 units (AMX-INT8 or AVX512-VNNI) through oneDNN.
+
+Each weight is quantized once, at load, per output channel and symmetric: w ~ q_w * s_w,
+q_w in [-127, 127], s_w = max |w[row]| / 127. Each step's activations are quantized per row
+(per token), symmetric, at run time: x ~ q_x * s_x. Then x w^T ~ (q_x q_w^T) * s_x * s_w,
+with q_x q_w^T exact in int32: only the two roundings to int8 cost accuracy. Per token, not
+per tensor (one scale for the step, as torch's dynamic quantization takes), so that one
+token's large activation does not coarsen the rest of the batch.
+
+Why torch's own oneDNN operators (`onednn::qlinear_prepack`, `onednn::qlinear_pointwise`,
+the ones Inductor's x86 int8 path emits) and not torchao: torchao's eager CPU int8 layers
+dequantize the weight on every call, about 10x slower than this at one row, and it ties the
+project to a torch-version-matched extension. benchmarks/README ("int8 weights") has the
+figures against bfloat16 and the quality against float32 and HF's bfloat16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from octavo.engine.worker.models.linear import pad_rows
+
+QUANTIZATION_METHODS = ("int8",)
+INT8_MAX = 127
+
+
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [R, C], scale float32 [R, 1]) with x ~ q * scale, symmetric per row. An all-zero
+    row gets a tiny scale and zeros."""
+    scale = x.abs().amax(dim=1, keepdim=True).float()
+    scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(INT8_MAX)
+    return x.div(scale).round_().to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """A Linear as int8 weights (`packed` by oneDNN, `weight_scale` float32 [out]) and its
+    bias in the model's dtype; forward(x [rows, in]) -> [rows, out] in x's dtype, x's rows
+    quantized per token on each call. Rows are padded as linear.py pads them (oneDNN keeps
+    a kernel per shape)."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        q, scale = quantize_per_row(layer.weight.detach())
+        self.weight_scale = scale.squeeze(1)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, [1, self.in_features])
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int32)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        q, scale = quantize_per_row(pad_rows(x))
+        # The activations' scale is applied per row after the product (oneDNN takes one
+        # scale for all of q): 1.0 here, so out = (q q_w^T) * s_w.
+        out = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self.packed, self.weight_scale, self.zero_points, None, 1.0, 0, x.dtype,
+            "none", [], "",
+        )[:rows]  # fmt: skip
+        out.mul_(scale[:rows])
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
