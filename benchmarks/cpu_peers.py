@@ -102,8 +102,9 @@ def write_model(folder: Path, shape: str, seed: int) -> None:
     common.write_checkpoint(folder, args)
     vocab = {f"t{i}": i for i in range(common.GPT2_VOCAB)}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    eos = f"t{common.GPT2_VOCAB - 1}"  # write_checkpoint's BOS and EOS
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="t0", eos_token=f"t{common.GPT2_VOCAB - 1}"
+        tokenizer_object=tokenizer, unk_token="t0", bos_token=eos, eos_token=eos
     )
     fast.save_pretrained(folder)
 
