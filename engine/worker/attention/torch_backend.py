@@ -1,4 +1,5 @@
-"""Attention in plain torch over the paged cache: the CPU path (and the kernels' oracle)."""
+"""Attention over the paged cache on a CPU: decodes through the in-place decode kernel
+(kernels/cpu_attention.py), everything else in plain torch (gathered keys, SDPA)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.kernels import cpu_attention
 
 
 @dataclass
@@ -26,35 +28,25 @@ class SequenceSlice:
     mask: torch.Tensor | None
 
 
-# Decodes attend as one padded batch while a decode's padded K (or V) holds at most this many
-# elements: on CPU one per-sequence call costs about as much as gathering this many elements,
-# and the batch gather also copies the padding (tiny models: always batched; GPT-2 small:
-# batched for short contexts only, where per-call overhead dominates).
-BATCHED_DECODE_MAX_ELEMENTS = 32768
-
-
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    """Adds the gather plan, computed once per step for all layers: the leading decodes
-    (`num_decodes`, one query each, context `decode_width` at most), then one slice per other
-    sequence. `key_slots` [S, max_seqlen_k] holds every key position's cache slot. The
-    decodes' own plan (`decode_slices` for one call each, or `decode_key_slots` and
-    `decode_mask` for one batch) is made by the first layer, which knows the K/V width."""
+    """Adds the plan, computed once per step for all layers: `key_slots` [S, max_seqlen_k],
+    every key position's cache slot (the decode kernel reads the leading `num_decodes`
+    rows); one slice per other sequence (`sequences`); and, where the kernel could not be
+    built, one per decode too (`decode_slices`)."""
 
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
     store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     key_slots: torch.Tensor | None = None
-    decode_width: int = 0
-    decode_slices: list[SequenceSlice] | None = None
-    decode_key_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_slices: list[SequenceSlice] = field(default_factory=list)
     sequences: list[SequenceSlice] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Gathers K/V through the block tables and calls SDPA: per sequence, or once for all
-    decodes of a step when their padded keys are small (tiny models, short contexts), where
-    per-sequence Python would cost more than the padding.
+    """Decodes (one query token each) go to the decode kernel, which reads their keys in the
+    cache, all decodes of a layer in one call. Other sequences gather K/V through the block
+    tables and call SDPA, one call each (as decodes do where the kernel cannot be built, or
+    off the CPU).
 
     Grouped queries (fewer K/V heads than query heads, multi-query attention) never copy K/V
     per query head: the G query heads that share a K/V head become G query rows of that head
@@ -70,6 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
     min_block_size = 1
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
+        """The plan of `TorchAttentionMetadata` for this step (the first CPU step builds or
+        loads the decode kernel)."""
         fields = {f: getattr(metadata, f) for f in AttentionMetadata.__dataclass_fields__}
         out = TorchAttentionMetadata(**fields, store_slots=metadata.slot_mapping, sequences=[])
         if len(metadata.slot_mapping) and metadata.slot_mapping.min().item() < 0:
@@ -80,8 +74,11 @@ class TorchAttentionBackend(AttentionBackend):
         device = metadata.slot_mapping.device
         query_lens = metadata.query_lens_host
         num_decodes = metadata.num_decodes
-        if num_decodes:
-            out.decode_width = max(metadata.seq_lens_host[:num_decodes])
+        if num_decodes and not self._decode_in_place(device):
+            out.decode_slices = [
+                SequenceSlice(i, i + 1, key_slots[i, :seq_len], None)
+                for i, seq_len in enumerate(metadata.seq_lens_host[:num_decodes])
+            ]
         start = num_decodes
         for i, (q_len, seq_len) in enumerate(
             zip(query_lens[num_decodes:], metadata.seq_lens_host[num_decodes:], strict=True),
@@ -98,6 +95,11 @@ class TorchAttentionBackend(AttentionBackend):
             out.sequences.append(SequenceSlice(start, start + q_len, slots, mask))
             start += q_len
         return out
+
+    @staticmethod
+    def _decode_in_place(device: torch.device) -> bool:
+        """Whether decodes go to the decode kernel: on a CPU where it is built."""
+        return device.type == "cpu" and cpu_attention.load()
 
     @staticmethod
     def _key_slots(metadata: AttentionMetadata) -> torch.Tensor:
@@ -121,9 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata), "call prepare() first"
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = kv_cache.shape[-2]
-        group = num_heads // num_kv_heads
+        head_dim, num_kv_heads = q.shape[2], kv_cache.shape[-2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_new, v_new = k, v
@@ -132,51 +132,16 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, metadata.store_slots, k_new)
         v_flat.index_copy_(0, metadata.store_slots, v_new)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        if metadata.num_decodes:
-            num = metadata.num_decodes
-            if self._batch_decodes(metadata, num_kv_heads * head_dim):
-                assert metadata.decode_key_slots is not None and metadata.decode_mask is not None
-                slots = metadata.decode_key_slots.flatten()
-                width = metadata.decode_width
-                query = q[:num].view(num, num_kv_heads, group, head_dim)  # [N, H_kv, G, D]
-                keys = k_flat.index_select(0, slots).view(num, width, num_kv_heads, head_dim)
-                values = v_flat.index_select(0, slots).view(num, width, num_kv_heads, head_dim)
-                mask = metadata.decode_mask[:, None, None, :]  # [N, 1, 1, L]
-                o = F.scaled_dot_product_attention(
-                    query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                    scale=scale,
-                )  # fmt: skip
-                out[:num].view(num, num_kv_heads, group, head_dim).copy_(o)
-            else:
-                assert metadata.decode_slices is not None
-                self._attend(q, k, v, k_flat, v_flat, metadata.decode_slices, out, scale)
+        num = metadata.num_decodes
+        if num and not metadata.decode_slices:
+            assert metadata.key_slots is not None
+            cpu_attention.decode_attention(
+                q[:num], k_flat, v_flat, metadata.key_slots[:num], metadata.seq_lens[:num],
+                scale, out[:num],
+            )  # fmt: skip
+        self._attend(q, k, v, k_flat, v_flat, metadata.decode_slices, out, scale)
         self._attend(q, k, v, k_flat, v_flat, metadata.sequences, out, scale)
         return out
-
-    @staticmethod
-    def _batch_decodes(metadata: TorchAttentionMetadata, kv_width: int) -> bool:
-        """Plans the decodes on the first call of a step: one padded batch, or one slice
-        each (see BATCHED_DECODE_MAX_ELEMENTS); returns whether they are batched."""
-        if metadata.decode_key_slots is not None:
-            return True
-        if metadata.decode_slices is not None:
-            return False
-        assert metadata.key_slots is not None
-        num, width = metadata.num_decodes, metadata.decode_width
-        if width * kv_width <= BATCHED_DECODE_MAX_ELEMENTS:
-            positions = torch.arange(width, device=metadata.key_slots.device)
-            metadata.decode_mask = positions[None, :] < metadata.seq_lens[:num, None]
-            # Padding keys read slot 0 of the zeroed null block: slots past a sequence's
-            # length may hold unwritten memory (NaN), and 0 x NaN would poison the sum.
-            metadata.decode_key_slots = metadata.key_slots[:num, :width].masked_fill(
-                ~metadata.decode_mask, 0
-            )
-            return True
-        metadata.decode_slices = [
-            SequenceSlice(i, i + 1, metadata.key_slots[i, :seq_len], None)
-            for i, seq_len in enumerate(metadata.seq_lens_host[:num])
-        ]
-        return False
 
     @staticmethod
     def _attend(
