@@ -112,7 +112,8 @@ def stream_once(port: int, prompt: list[int], max_tokens: int) -> list[float]:
             now = time.monotonic()
             received += chunk
             stamps += [now] * chunk.count(b"data: {")
-    if b"data: [DONE]" not in received or b'"error"' in received:
+    # An error event is `data: {"error": ...}`; a token's text may well be "error".
+    if b"data: [DONE]" not in received or b'data: {"error"' in received:
         raise RuntimeError(f"the stream failed: {received[-500:]!r}")
     return stamps
 
