@@ -1,5 +1,5 @@
 """Triton kernels (over the paged KV cache, and the fused residual add + LayerNorm), and the
-CPU's decode attention in C++ (cpu_attention.py), each with a plain-torch `*_ref` twin."""
+CPU's decode attention in C++ (cpu_ops.py), each with a plain-torch `*_ref` twin."""
 
 from triton.runtime.interpreter import InterpretedFunction
 

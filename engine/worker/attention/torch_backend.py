@@ -1,5 +1,5 @@
 """Attention over the paged cache on a CPU: decodes through the in-place decode kernel
-(kernels/cpu_attention.py), everything else in plain torch (gathered keys, SDPA)."""
+(kernels/cpu_ops.py), everything else in plain torch (gathered keys, SDPA)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
-from octavo.kernels import cpu_attention
+from octavo.kernels import cpu_ops
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode_in_place(device: torch.device) -> bool:
         """Whether decodes go to the decode kernel: on a CPU where it is built."""
-        return device.type == "cpu" and cpu_attention.load()
+        return device.type == "cpu" and cpu_ops.load()
 
     @staticmethod
     def _key_slots(metadata: AttentionMetadata) -> torch.Tensor:
@@ -135,7 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         num = metadata.num_decodes
         if num and not metadata.decode_slices:
             assert metadata.key_slots is not None
-            cpu_attention.decode_attention(
+            cpu_ops.decode_attention(
                 q[:num], k_flat, v_flat, metadata.key_slots[:num], metadata.seq_lens[:num],
                 scale, out[:num],
             )  # fmt: skip

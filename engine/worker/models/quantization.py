@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from octavo.engine.worker.models.linear import pad_rows
+from octavo.kernels import cpu_ops
 
 QUANTIZATION_METHODS = ("int8",)
 INT8_MAX = 127
@@ -28,17 +29,26 @@ INT8_MAX = 127
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [R, C], scale float32 [R, 1]) with x ~ q * scale, symmetric per row. An all-zero
-    row gets a tiny scale and zeros."""
+    row gets a tiny scale and zeros. (cpu_ops.quantize_rows is the same in one op.)"""
     scale = x.abs().amax(dim=1, keepdim=True).float()
     scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(INT8_MAX)
     return x.div(scale).round_().to(torch.int8), scale
+
+
+def rescale_rows_ref(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """cpu_ops.rescale_rows_ in torch: out[r] = out[r] * scale[r] + bias, in place."""
+    out.mul_(scale[: out.shape[0]])
+    if bias is not None:
+        out.add_(bias)
 
 
 class Int8Linear(nn.Module):
     """A Linear as int8 weights (`packed` by oneDNN, `weight_scale` float32 [out]) and its
     bias in the model's dtype; forward(x [rows, in]) -> [rows, out] in x's dtype, x's rows
     quantized per token on each call. Rows are padded as linear.py pads them (oneDNN keeps
-    a kernel per shape)."""
+    a kernel per shape). The activations' scaling runs as cpu_ops' one-op operators where
+    they are built (at one row they are most of a layer's work besides the product), else
+    as their torch twins."""
 
     def __init__(self, layer: nn.Linear):
         super().__init__()
@@ -48,17 +58,18 @@ class Int8Linear(nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(q, [1, self.in_features])
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int32)
         self.bias = layer.bias
+        fused = cpu_ops.load()
+        self.quantize = cpu_ops.quantize_rows if fused else quantize_per_row
+        self.rescale_ = cpu_ops.rescale_rows_ if fused else rescale_rows_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        q, scale = quantize_per_row(pad_rows(x))
+        q, scale = self.quantize(pad_rows(x))
         # The activations' scale is applied per row after the product (oneDNN takes one
         # scale for all of q): 1.0 here, so out = (q q_w^T) * s_w.
         out = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, 0, self.packed, self.weight_scale, self.zero_points, None, 1.0, 0, x.dtype,
             "none", [], "",
         )[:rows]  # fmt: skip
-        out.mul_(scale[:rows])
-        if self.bias is not None:
-            out.add_(self.bias)
+        self.rescale_(out, scale, self.bias)
         return out

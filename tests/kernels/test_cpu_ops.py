@@ -1,17 +1,19 @@
-"""The CPU decode kernel against its torch twin (paged_attention_ref): float32 and bfloat16,
-grouped and multi-query heads, GPT-2's head size (compiled for it) and another, few sequences
-(a task per head) and many (a task per sequence), a strided query; unused cache slots hold
-NaN, so a read past a sequence's keys shows."""
+"""The CPU's C++ operators against their torch twins. The decode kernel against
+paged_attention_ref: float32 and bfloat16, grouped and multi-query heads, GPT-2's head size
+(compiled for it) and another, few sequences (a task per head) and many (a task per
+sequence), a strided query; unused cache slots hold NaN, so a read past a sequence's keys
+shows. The int8 layer's row scaling against quantization.py's twins."""
 
 import pytest
 import torch
 
-from octavo.kernels import cpu_attention
+from octavo.engine.worker.models.quantization import Int8Linear, quantize_per_row, rescale_rows_ref
+from octavo.kernels import cpu_ops
 from octavo.kernels.paged_attention import paged_attention_ref
 from tests.kernels.paged_setup import make_batch
 from tests.model.test_config_variants import torch_backend_attention
 
-pytestmark = pytest.mark.skipif(not cpu_attention.load(), reason="no C++ compiler here")
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="no C++ compiler here")
 
 BLOCK_SIZE = 4
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -40,7 +42,7 @@ def test_decode_kernel_matches_the_reference(dtype, head_dim, num_kv_heads, num_
     k_flat = batch.k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = batch.v_cache.view(-1, num_kv_heads, head_dim)
     slots = key_slots(batch.block_tables, BLOCK_SIZE)
-    cpu_attention.decode_attention(q, k_flat, v_flat, slots, batch.seq_lens, batch.scale, out)
+    cpu_ops.decode_attention(q, k_flat, v_flat, slots, batch.seq_lens, batch.scale, out)
     tolerance = TOLERANCES[dtype]
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
@@ -52,10 +54,48 @@ def test_torch_backend_decodes_match_the_reference_with_or_without_the_kernel(
     """Decodes beside a prefill chunk through the backend: by the kernel, or where it cannot
     be built by gathered keys and SDPA; the same attention either way."""
     if not in_place:
-        monkeypatch.setattr(cpu_attention, "load", lambda: False)
+        monkeypatch.setattr(cpu_ops, "load", lambda: False)
     batch = make_batch([1, 1, 1, 6], [37, 1, 21, 30], num_heads=4, head_dim=16,
                        block_size=BLOCK_SIZE, dtype=torch.float32, num_kv_heads=2)  # fmt: skip
     expected = paged_attention_ref(*batch.args(), torch.empty_like(batch.q), batch.scale,
                                    num_decodes=3)  # fmt: skip
     got = torch_backend_attention(batch)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_quantize_rows_is_its_torch_twin(dtype, rows):
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x[0] = 0  # an all-zero row: a tiny scale, zeros
+    x[-1] *= 50
+    q, scale = cpu_ops.quantize_rows(x)
+    q_ref, scale_ref = quantize_per_row(x)
+    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=1e-6)
+    # x * (1 / scale) and x / scale may round a value at .5 apart: one step, rarely.
+    assert (q.int() - q_ref.int()).abs().max() <= 1
+    assert (q != q_ref).float().mean() < 0.01
+    assert not q[0].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_rescale_rows_is_its_torch_twin(dtype, bias):
+    generator = torch.Generator().manual_seed(1)
+    out = torch.randn(7, 33, generator=generator).to(dtype)
+    scale = torch.rand(9, 1, generator=generator)  # more rows than out, as a padded batch's
+    b = torch.randn(33, generator=generator).to(dtype) if bias else None
+    want = out.clone()
+    rescale_rows_ref(want, scale, b)
+    cpu_ops.rescale_rows_(out, scale, b)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tolerance, rtol=tolerance)
+
+
+def test_int8_layer_without_the_operators_gives_the_same_product(monkeypatch):
+    layer = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    fused = Int8Linear(layer)(x)
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
+    unfused = Int8Linear(layer)(x)
+    torch.testing.assert_close(fused, unfused, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,107 @@
+"""The CPU's C++ operators (cpu/*.cpp), compiled for this machine on first use, each with a
+plain-torch twin:
+
+- `decode_attention`: paged decode attention reading each sequence's keys where they lie
+  (plain torch must first gather them out of their blocks, a copy as large as the keys, every
+  layer, every step); twin paged_attention.py's paged_attention_ref (benchmarks/README,
+  "Decode attention in place");
+- `quantize_rows`, `rescale_rows_`: an int8 layer's per-token activation scaling, one op each
+  where torch takes several small ones; twins in engine/worker/models/quantization.py.
+
+They are built with torch's C++ extension loader (g++ and ninja; about 10 s once, then cached
+under torch's extensions folder), for the CPU they run on (-march=native: the build's name
+carries this CPU's feature flags, so a home folder shared by other CPUs gets a build each).
+`load()` returns False, with the reason logged once, where they cannot be built; callers then
+take their twins' torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).resolve().parent / "cpu").glob("*.cpp"))
+# -ffast-math lets the compiler vectorize the softmax's exp (glibc's vector exp) and the dot
+# products' sums; compile flags only, so the process's floating-point mode is left alone.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags, from /proc/cpuinfo ("" where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+@functools.cache
+def load() -> bool:
+    """Builds (or finds built) and loads the operators into torch.ops.octavo_cpu; False, with
+    a warning naming why, where they cannot be (no compiler, no ninja, a failed build)."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:
+        try:  # the `ninja` package's binary, in a venv that is not activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    text = _cpu_flags() + "".join(source.read_text() for source in SOURCES)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    try:
+        cpp_extension.load(
+            name=f"octavo_cpu_ops_{digest}",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=CFLAGS,
+            is_python_module=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure: gather instead, said once
+        last_line = (str(exc).strip().splitlines() or [""])[-1]
+        logger.warning(
+            "the CPU's C++ operators could not be built (%s: %s); decodes gather their keys "
+            "and int8 layers scale in torch instead, slower (they need g++ and ninja)",
+            type(exc).__name__,
+            last_line,
+        )
+        return False
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[n, h] = softmax(q[n, h] K_n^T * scale) V_n for one query token per sequence, K_n
+    and V_n being sequence n's first seq_lens[n] keys and values of its K/V head, read at
+    their cache slots key_slots[n, :seq_lens[n]]. q, out [N, H, D] (head_dim contiguous);
+    caches [num_slots, H_kv, D] contiguous; key_slots int64 [N, >= max seq_len]; seq_lens
+    int32 [N]. Needs load() to have returned True."""
+    torch.ops.octavo_cpu.decode_attention(q, k_cache, v_cache, key_slots, seq_lens, scale, out)
+    return out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantization.quantize_per_row(x) in one op: (q int8 [R, C], scale float32 [R, 1])."""
+    q, scale = torch.ops.octavo_cpu.quantize_rows(x)
+    return q, scale
+
+
+def rescale_rows_(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out[r] = out[r] * scale[r] + bias in place (float32 arithmetic), for out [R, N] with
+    contiguous rows, scale float32 with at least R rows, bias [N] in out's dtype or None."""
+    torch.ops.octavo_cpu.rescale_rows_(out, scale, bias)
