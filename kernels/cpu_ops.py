@@ -65,7 +65,7 @@ def load() -> bool:
             extra_cflags=CFLAGS,
             is_python_module=False,
         )
-    except Exception as exc:  # noqa: BLE001 - any build failure: gather instead, said once
+    except Exception as exc:  # noqa: BLE001 - any build failure: the twins run, said once
         last_line = (str(exc).strip().splitlines() or [""])[-1]
         logger.warning(
             "the CPU's C++ operators could not be built (%s: %s); decodes gather their keys "

@@ -1,15 +1,16 @@
 // Paged decode attention on a CPU, reading each sequence's keys and values where they lie
 // in the cache: no gathered copy of them (what plain torch must make) is ever written.
 //
-// octavo::decode_attention(q, k_cache, v_cache, key_slots, seq_lens, scale, out):
+// octavo_cpu::decode_attention(q, k_cache, v_cache, key_slots, seq_lens, scale, out):
 //   q, out     [N, H, D]: one query token per sequence (q may be a strided view; D contiguous)
 //   k_cache,   [num_slots, H_kv, D] contiguous: a layer's cache, block-major slots
 //   v_cache
 //   key_slots  int64 [N, >= max seq_len]: the cache slot of each key position
 //   seq_lens   int32 [N]: keys per sequence, this step's included (already stored)
 // out[n, h] = softmax(q[n, h] . K[n, h // G]^T * scale) V[n, h // G], G = H / H_kv, in float32
-// whatever the storage dtype. Work is split over (sequence, K/V head) pairs on torch's
-// intra-op threads; each pair reads its keys once for all G query heads sharing them.
+// whatever the storage dtype. Work is split on torch's intra-op threads into a task per
+// sequence (all its heads), or per (sequence, K/V head) when sequences are few; a task reads
+// each key once for all G query heads sharing it.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

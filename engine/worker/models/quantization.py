@@ -23,7 +23,6 @@ from torch import nn
 from octavo.engine.worker.models.linear import pad_rows
 from octavo.kernels import cpu_ops
 
-QUANTIZATION_METHODS = ("int8",)
 INT8_MAX = 127
 
 
