@@ -17,6 +17,8 @@ per-shape kernels) and CUDA's are left as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,8 +66,8 @@ class Linear(nn.Linear):
 
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs products of this dtype on this CPU from a packed weight: 16-bit
-    dtypes the CPU computes. Not float32: there torch's own path (MKL) is as fast at one
-    row and the packed one changes float32's rounding, which parity with HF relies on."""
+    dtypes the CPU computes. Not float32: there the packed path is slower than torch's own
+    (MKL) at one row, and it would change float32's rounding, which parity with HF relies on."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -92,7 +94,7 @@ class PackedLinear(nn.Module):
         return out[: x.shape[0]]
 
 
-def replace_linears(model: nn.Module, replacement: type[nn.Module]) -> None:
+def replace_linears(model: nn.Module, replacement: Callable[[Linear], nn.Module]) -> None:
     """Replaces every `Linear` of `model` by replacement(that layer). A weight tied to an
     embedding stays the embedding's: the replacement keeps what it made of it."""
     for module in list(model.modules()):
