@@ -55,6 +55,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks import common, provenance
+from octavo.benchmarks.peers.timing import time_runs
 from octavo.benchmarks.sse_client import free_port
 from octavo.engine import LLM, BeamSearchParams, SamplingParams
 
@@ -161,13 +162,7 @@ def run_octavo(folder, settings, prompts, max_tokens, beam_width, args) -> tuple
         ]
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
 
-    run(prompts[:1], [4])
-    runs, outputs = [], []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        outputs = run(prompts, max_tokens)
-        runs.append(time.perf_counter() - start)
-    return runs, [list(o) for o in outputs]
+    return time_runs(run, prompts, max_tokens, args.repeats)
 
 
 def run_hf(folder, prompts, max_tokens, repeats) -> tuple[list, list]:
@@ -176,7 +171,8 @@ def run_hf(folder, prompts, max_tokens, repeats) -> tuple[list, list]:
     ids = torch.tensor([[common.PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
-    def run(rows: int, new: int):
+    def run(prompts, max_tokens):
+        rows, new = len(prompts), max(max_tokens)
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids[:rows],
@@ -187,13 +183,7 @@ def run_hf(folder, prompts, max_tokens, repeats) -> tuple[list, list]:
             )
         return out[:, width:].tolist()
 
-    run(1, 4)
-    runs, outputs = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = run(len(prompts), max(max_tokens))
-        runs.append(time.perf_counter() - start)
-    return runs, outputs
+    return time_runs(run, prompts, max_tokens, repeats)
 
 
 def run_peer(python: Path, script: str, spec: dict) -> dict:

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import time_runs, write_result  # this folder's, beside the script
+
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -49,19 +51,8 @@ def main() -> None:
                 for r, n in zip(results, max_tokens, strict=True)
             ]
 
-        run(prompts[:1], [4])  # warm-up
-        runs, outputs = [], []
-        for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            outputs = run(prompts, spec["max_tokens"])
-            runs.append(time.perf_counter() - start)
-    result = {
-        "version": ctranslate2.__version__,
-        "load_s": load_s,
-        "wall_s_runs": runs,
-        "outputs": outputs,
-    }
-    Path(sys.argv[2]).write_text(json.dumps(result))
+        runs, outputs = time_runs(run, prompts, spec["max_tokens"], spec["repeats"])
+    write_result(sys.argv[2], ctranslate2.__version__, load_s, runs, outputs)
 
 
 if __name__ == "__main__":

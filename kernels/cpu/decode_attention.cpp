@@ -50,6 +50,18 @@ inline void prefetch_row(const scalar_t* row, int64_t bytes) {
   }
 }
 
+// Key position p's row in `cache` (its heads from kv_offset on), the row kPrefetchRows ahead
+// asked of the memory on the way.
+template <typename scalar_t>
+inline const scalar_t* row_at(const scalar_t* cache, const int64_t* slots, int64_t p,
+                              int64_t seq_len, int64_t slot_stride, int64_t kv_offset,
+                              int64_t row_bytes) {
+  if (p + kPrefetchRows < seq_len) {
+    prefetch_row(cache + slots[p + kPrefetchRows] * slot_stride + kv_offset, row_bytes);
+  }
+  return cache + slots[p] * slot_stride + kv_offset;
+}
+
 // One task: sequence `n`'s query heads [kv_begin * G, kv_end * G), which read K/V heads
 // [kv_begin, kv_end). Per key position the task reads those heads' part of the slot's row,
 // contiguous, so that a task over all heads streams through each block of the cache.
@@ -72,14 +84,11 @@ void decode_task(const scalar_t* q, int64_t q_head_stride, const scalar_t* k_cac
       query[h * head_dim + d] = to_float(q[(first + h) * q_head_stride + d]) * scale;
     }
   }
+  const int64_t kv_offset = kv_begin * head_dim;
   const int64_t row_bytes = (kv_end - kv_begin) * head_dim * sizeof(scalar_t);
   // Pass 1: the scores.
   for (int64_t p = 0; p < seq_len; ++p) {
-    if (p + kPrefetchRows < seq_len) {
-      prefetch_row(k_cache + slots[p + kPrefetchRows] * slot_stride + kv_begin * head_dim,
-                   row_bytes);
-    }
-    const scalar_t* row = k_cache + slots[p] * slot_stride + kv_begin * head_dim;
+    const scalar_t* row = row_at(k_cache, slots, p, seq_len, slot_stride, kv_offset, row_bytes);
     for (int64_t h = 0; h < heads; ++h) {
       const scalar_t* key = row + (h / group) * head_dim;
       const float* qh = query.data() + h * head_dim;
@@ -106,11 +115,7 @@ void decode_task(const scalar_t* q, int64_t q_head_stride, const scalar_t* k_cac
   }
   // Pass 2: the weighted values.
   for (int64_t p = 0; p < seq_len; ++p) {
-    if (p + kPrefetchRows < seq_len) {
-      prefetch_row(v_cache + slots[p + kPrefetchRows] * slot_stride + kv_begin * head_dim,
-                   row_bytes);
-    }
-    const scalar_t* row = v_cache + slots[p] * slot_stride + kv_begin * head_dim;
+    const scalar_t* row = row_at(v_cache, slots, p, seq_len, slot_stride, kv_offset, row_bytes);
     for (int64_t h = 0; h < heads; ++h) {
       const scalar_t* value = row + (h / group) * head_dim;
       const float weight = scores[h * seq_len + p];
