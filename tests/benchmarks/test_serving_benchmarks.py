@@ -114,34 +114,6 @@ def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path)
     assert prefix["failed"] == 0 and prefix["cached_prompt_tokens"] == 2 * 64
 
 
-def test_stream_path_times_every_window_of_every_run(tmp_path):
-    result = run(
-        "stream_path.py", tmp_path / "p.json", "--streams", "3", "--warmup-steps", "2",
-        "--window-steps", "2", "--windows", "3", "--repeats", "1",
-    )  # fmt: skip
-    ((name, now),) = result["checkouts"].items()
-    assert name == f"now@{short_commit()}"
-    # Every stream wrote one event per step: 2 warm-up steps and 3 windows of 2.
-    assert now["events_per_run"] == [3 * (2 + 3 * 2)]
-    assert len(now["median_window_us_per_event"]) == 1
-    assert now["best_us_per_event"] == min(now["fastest_window_us_per_event"]) > 0
-
-
-def test_socket_floor_sends_every_event_in_every_mode(tmp_path):
-    result = run(
-        "socket_floor.py", tmp_path / "f.json",
-        "--streams", "3", "--steps", "4", "--step-ms", "1", "--repeats", "2",
-    )  # fmt: skip
-    assert set(result["runs"]) == {"write", "tasks", "asgi"}
-    for mode, runs in result["runs"].items():
-        assert len(runs) == 2, mode
-        for one in runs:
-            # The client returns only once every stream has read all its events.
-            assert one["events"] == 3 * 4 and one["cpu_s"] > 0, mode
-            assert one["us_per_event"] == pytest.approx(one["cpu_s"] / 12 * 1e6), mode
-    assert result["commit"] == short_commit()
-
-
 def test_burst_floor_times_every_request_of_every_burst(tmp_path):
     result = run(
         "burst_floor.py", tmp_path / "b.json", "--num-requests", "5", "--repeats", "2",
