@@ -1,4 +1,8 @@
-"""The FastAPI application factory: routes, auth, body limit and OpenAI-shaped errors."""
+"""The FastAPI application factory: routes, auth, body limit and OpenAI-shaped errors.
+
+Every route is named in `create_app`: FastAPI's decorated ones, then the generating ones
+(/v1/completions, /v1/chat/completions), which a middleware answers (generation_routes.py).
+"""
 
 from __future__ import annotations
 
@@ -62,29 +66,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def require_api_key(request: Request) -> None:
         authorize(request)
 
-    generation_routes = (
-        GenerationRoute(
-            "/v1/completions",
-            "completions",
-            CompletionRequest,
-            serving.create,
-            _COMPLETION_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
-        ),
-        GenerationRoute(
-            "/v1/chat/completions",
-            "chat_completions",
-            ChatCompletionRequest,
-            chat.create,
-            _CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
-        ),
-    )
     app = FastAPI(title="Octavo", lifespan=lifespan)
-    # Middleware added last runs first: the Host check, then the body limit, then the
-    # generating routes, then FastAPI's router for the rest.
-    app.add_middleware(GenerationRoutes, routes=generation_routes, authorize=authorize)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-    if config.allowed_hosts is not None:  # a foreign Host gets nothing else
-        app.add_middleware(HostCheck, allowed_hosts=config.allowed_hosts)
     app.state.engine = engine
 
     @app.exception_handler(APIError)
@@ -144,6 +126,32 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=importlib.metadata.version("octavo"))
+
+    # The generating routes, POST only. A middleware ahead of FastAPI's router answers them,
+    # not a decorated route: generation_routes.py says why. FastAPI documents them (below).
+    generation_routes = (
+        GenerationRoute(
+            path="/v1/completions",
+            name="completions",
+            request_model=CompletionRequest,
+            handler=serving.create,
+            responses=_COMPLETION_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+        ),
+        GenerationRoute(
+            path="/v1/chat/completions",
+            name="chat_completions",
+            request_model=ChatCompletionRequest,
+            handler=chat.create,
+            responses=_CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+        ),
+    )
+
+    # Middleware added last runs first: the Host check, then the body limit, then the
+    # generating routes, then FastAPI's router for the rest.
+    app.add_middleware(GenerationRoutes, routes=generation_routes, authorize=authorize)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    if config.allowed_hosts is not None:  # a foreign Host gets nothing else
+        app.add_middleware(HostCheck, allowed_hosts=config.allowed_hosts)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document without the 422 it adds to every route with a body: this
