@@ -165,6 +165,8 @@ def first_token(title: str, files: list[Result]) -> list[str]:
     )
     for result in files:
         data = result[1]
+        # A GPU session's file keeps one run per device call by name; the CPU file keeps the
+        # alternated runs of each server setting.
         if isinstance(data.get("runs"), dict):
             groups = [(name, [run]) for name, run in data["runs"].items()]
         else:
