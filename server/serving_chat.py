@@ -3,9 +3,7 @@ engine, answered as a chat.completion or a stream of chat.completion.chunk event
 
 from __future__ import annotations
 
-import functools
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 
 from fastapi import Request
@@ -25,7 +23,6 @@ from octavo.server.chat_protocol import (
 )
 from octavo.server.chat_template import ChatTemplate
 from octavo.server.errors import APIError
-from octavo.server.protocol import Usage
 from octavo.server.serving_engine import (
     EngineServing,
     PromptAndParams,
@@ -33,8 +30,9 @@ from octavo.server.serving_engine import (
     json_unless_disconnected,
     usage,
 )
+from octavo.server.stream_builder import ChoiceState, StreamBuilder
 from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta, jsonable
-from octavo.server.streaming import SSE_DONE, EventStreamResponse, sse_event
+from octavo.server.streaming import EventStreamResponse
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
@@ -63,8 +61,8 @@ class ChatServing(EngineServing):
         request_id = chat_completion_id()
         streams = self.submit(request_id, prompts)
         if request.stream:
-            body = self._stream(request_id, request, prompts, streams)
-            return EventStreamResponse(body)
+            builder = ChatStream(self, request_id, request, prompts)
+            return EventStreamResponse(builder.events(self.merge(streams)))
         completion = self._complete(request_id, request, prompts, streams)
         return await json_unless_disconnected(raw_request, completion)
 
@@ -156,104 +154,6 @@ class ChatServing(EngineServing):
             prompt_logprobs=self.vllm_prompt_logprobs(final, request),
         )
 
-    async def _stream(
-        self,
-        request_id: str,
-        request: ChatCompletionRequest,
-        prompts: list[PromptAndParams],
-        streams: list[AsyncIterator[RequestOutput]],
-    ) -> AsyncGenerator[bytes, None]:
-        """As OpenAI: each choice's first chunk carries the role; then one chunk per delta
-        output of a choice (the last with its finish_reason); an optional usage chunk; then
-        [DONE]. The chunks of one output leave together, as do the usage chunk and [DONE]."""
-        created = int(time.time())
-        model = self.config.served_model_name
-        event = self.events.event
-        options = request.stream_options
-        include_usage = options is not None and options.include_usage
-        continuous_usage = include_usage and options is not None and options.continuous_usage_stats
-        prompt_tokens = len(prompts[0][0].token_ids)
-        completion_tokens = [0] * request.n
-        roles = [
-            ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-            for index in range(request.n)
-        ]
-        yield b"".join(
-            event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[r]))
-            for r in roles
-        )
-        first = True
-        cached_tokens = 0  # prompt tokens found in the prefix cache
-        # Per choice, once its first event is out, the events that carry only its next text
-        # (EventEncoder.text_events): a request that asked for no logprobs and no continuous
-        # usage, until the choice's finish.
-        plain = not request.logprobs and not continuous_usage
-        text_events: dict[int, Callable[[str], bytes]] = {}
-        try:
-            async for _, output in self.merge(streams):
-                if output.num_cached_tokens is not None:
-                    cached_tokens = output.num_cached_tokens
-                events = []
-                for completion in output.outputs:
-                    completion_tokens[completion.index] += len(completion.token_ids)
-                    text_event = text_events.get(completion.index)
-                    if text_event is not None and completion.finish_reason is None:
-                        events.append(text_event(completion.text))
-                        continue
-                    choice = ChatChunkChoice(
-                        index=completion.index,
-                        delta=ChatDelta(content=completion.text),
-                        logprobs=jsonable(self._logprobs(completion, request)),
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
-                    chunk = ChatCompletionChunk(
-                        id=request_id, created=created, model=model, choices=[choice]
-                    )
-                    if first:  # the prompt's logprobs come once, with the first output
-                        chunk.prompt_logprobs = jsonable(self.vllm_prompt_logprobs(output, request))
-                        first = False
-                    if continuous_usage:
-                        generated = completion_tokens[completion.index]
-                        chunk.usage = jsonable(
-                            Usage(
-                                prompt_tokens=prompt_tokens,
-                                completion_tokens=generated,
-                                total_tokens=prompt_tokens + generated,
-                            )
-                        )
-                    events.append(event(chunk))
-                    if plain and completion.finish_reason is None:
-                        text_events[completion.index] = self.events.text_events(
-                            functools.partial(
-                                self._text_chunk, request_id, created, completion.index
-                            )
-                        )
-                if output.finished and output.metrics is not None:
-                    self.metrics.observe_finished(output.metrics)
-                if events:
-                    yield b"".join(events)
-            if include_usage:
-                total = usage(prompts, sum(completion_tokens), cached_tokens)
-                chunk = ChatCompletionChunk(
-                    id=request_id, created=created, model=model, choices=[], usage=jsonable(total)
-                )
-                yield event(chunk) + SSE_DONE
-                return
-        except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
-            yield sse_event(engine_error(exc).body()) + SSE_DONE
-            return
-        yield SSE_DONE
-
-    def _text_chunk(
-        self, request_id: str, created: int, index: int, text: str
-    ) -> ChatCompletionChunk:
-        """The chunk of an event that carries only choice `index`'s next text."""
-        choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text))
-        return ChatCompletionChunk(
-            id=request_id, created=created, model=self.config.served_model_name, choices=[choice]
-        )
-
     def _logprobs(
         self, completion: CompletionOutput, request: ChatCompletionRequest
     ) -> ChatLogprobs | None:
@@ -279,3 +179,37 @@ class ChatServing(EngineServing):
     def _top_logprob(self, token: int, logprob: float) -> TopLogprob:
         token_bytes = None if self.tokenizer is None else list(self.tokenizer.token_bytes(token))
         return TopLogprob(token=self.token_text(token), logprob=logprob, bytes=token_bytes)
+
+
+class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletionChunk]):
+    """A chat stream, as OpenAI's: each choice's first chunk carries the role, then one chunk
+    per delta output of a choice, the last with its finish_reason. The prompt's logprobs,
+    when asked for, come once, with the first output."""
+
+    chunk_type = ChatCompletionChunk
+    _prompt_scored = False  # whether the prompt's logprobs are out (set per stream)
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        role = ChatDelta(role="assistant", content="")
+        return [
+            self.chunk([ChatChunkChoice(index=index, delta=role)])
+            for index in range(self.request.n)
+        ]
+
+    def delta_chunk(
+        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
+    ) -> ChatCompletionChunk:
+        serving, request = self.serving, self.request
+        choice.tokens += len(completion.token_ids)
+        chunk_choice = ChatChunkChoice(
+            index=choice.index,
+            delta=ChatDelta(content=completion.text),
+            logprobs=jsonable(serving._logprobs(completion, request)),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        chunk = self.chunk([chunk_choice])
+        if not self._prompt_scored:
+            chunk.prompt_logprobs = jsonable(serving.vllm_prompt_logprobs(output, request))
+            self._prompt_scored = True
+        return chunk

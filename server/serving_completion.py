@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 
 from fastapi import Request
@@ -17,7 +15,6 @@ from octavo.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Logprobs,
-    Usage,
     completion_id,
 )
 from octavo.server.serving_engine import (
@@ -27,8 +24,9 @@ from octavo.server.serving_engine import (
     json_unless_disconnected,
     usage,
 )
+from octavo.server.stream_builder import ChoiceState, StreamBuilder
 from octavo.server.stream_chunks import CompletionChunk, CompletionChunkChoice, jsonable
-from octavo.server.streaming import SSE_DONE, Delta, EventStreamResponse, sse_event
+from octavo.server.streaming import Delta, EventStreamResponse
 
 
 class CompletionServing(EngineServing):
@@ -49,8 +47,8 @@ class CompletionServing(EngineServing):
         request_id = completion_id()
         streams = self.submit(request_id, prompts)
         if request.stream:
-            body = self._stream(request_id, request, prompts, streams)
-            return EventStreamResponse(body)
+            builder = CompletionStream(self, request_id, request, prompts)
+            return EventStreamResponse(builder.events(self.merge(streams)))
         completion = self._complete(request_id, request, prompts, streams)
         return await json_unless_disconnected(raw_request, completion)
 
@@ -112,112 +110,6 @@ class CompletionServing(EngineServing):
             model=self.config.served_model_name,
             choices=choices,
             usage=usage(prompts, completion_tokens, cached_tokens),
-        )
-
-    async def _stream(
-        self,
-        request_id: str,
-        request: CompletionRequest,
-        prompts: list[PromptAndParams],
-        streams: list[AsyncIterator[RequestOutput]],
-    ) -> AsyncGenerator[bytes, None]:
-        """One event per delta output of each choice (the engine holds back text that could
-        still turn out to be a stop string), an optional usage event, then [DONE]. The
-        events of one output leave together, as do the usage event and [DONE]."""
-        # Per choice, where its next token's text starts in its logprobs text (the token
-        # texts laid end to end, as in a whole response: held-back text does not shift it).
-        text_offsets: dict[int, int] = {}
-        completion_tokens = 0
-        choice_tokens: dict[int, int] = {}  # completion tokens per choice (continuous usage)
-        cached_tokens: dict[int, int] = {}  # per prompt, from the prefix cache
-        options = request.stream_options
-        include_usage = options is not None and options.include_usage
-        continuous_usage = include_usage and options is not None and options.continuous_usage_stats
-        created = int(time.time())
-        model = self.config.served_model_name
-        event = self.events.event
-        # Per choice, once its first event is out, the events that carry only its next text
-        # (EventEncoder.text_events): a request that asked for no logprobs and no continuous
-        # usage, until the choice's finish.
-        plain = request.logprobs is None and not continuous_usage and request.max_tokens != 0
-        text_events: dict[int, Callable[[str], bytes]] = {}
-        try:
-            async for index, output in self.merge(streams):
-                if output.num_cached_tokens is not None:
-                    cached_tokens[index] = output.num_cached_tokens
-                events = []
-                for completion in output.outputs:
-                    choice_index = index * request.n + completion.index
-                    text_event = text_events.get(choice_index)
-                    if text_event is not None and completion.finish_reason is None:
-                        completion_tokens += len(completion.token_ids)
-                        events.append(text_event(completion.text))
-                        continue
-                    first = choice_index not in text_offsets
-                    delta = self._returned(completion, request)
-                    completion_tokens += len(delta.token_ids)
-                    choice_tokens[choice_index] = choice_tokens.get(choice_index, 0) + len(
-                        delta.token_ids
-                    )
-                    if request.echo and first:
-                        delta = self._with_prompt(output, delta)
-                    delta.text_offset = text_offsets.get(choice_index, 0)
-                    text_offsets[choice_index] = delta.text_offset
-                    choice = CompletionChunkChoice(
-                        index=choice_index,
-                        text=delta.text,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
-                    if request.logprobs is not None:
-                        logprobs = self._logprobs(delta)
-                        choice.logprobs = jsonable(logprobs)
-                        if logprobs.tokens:
-                            text_offsets[choice_index] = logprobs.text_offset[-1] + len(
-                                logprobs.tokens[-1]
-                            )
-                    if first:
-                        choice.prompt_logprobs = jsonable(
-                            self.vllm_prompt_logprobs(output, request)
-                        )
-                    chunk = CompletionChunk(
-                        id=request_id, created=created, model=model, choices=[choice]
-                    )
-                    if continuous_usage:
-                        prompt_tokens = len(output.prompt_token_ids)
-                        chunk.usage = jsonable(
-                            Usage(
-                                prompt_tokens=prompt_tokens,
-                                completion_tokens=choice_tokens[choice_index],
-                                total_tokens=prompt_tokens + choice_tokens[choice_index],
-                            )
-                        )
-                    events.append(event(chunk))
-                    if plain and first and completion.finish_reason is None:
-                        text_events[choice_index] = self.events.text_events(
-                            functools.partial(self._text_chunk, request_id, created, choice_index)
-                        )
-                if output.finished and output.metrics is not None:
-                    self.metrics.observe_finished(output.metrics)
-                if events:
-                    yield b"".join(events)
-            if include_usage:
-                total = usage(prompts, completion_tokens, sum(cached_tokens.values()))
-                chunk = CompletionChunk(
-                    id=request_id, created=created, model=model, choices=[], usage=jsonable(total)
-                )
-                yield event(chunk) + SSE_DONE
-                return
-        except Exception as exc:  # an error event, then [DONE]: never a cut-off stream
-            yield sse_event(engine_error(exc).body()) + SSE_DONE
-            return
-        yield SSE_DONE
-
-    def _text_chunk(self, request_id: str, created: int, index: int, text: str) -> CompletionChunk:
-        """The chunk of an event that carries only choice `index`'s next text."""
-        choice = CompletionChunkChoice(index=index, text=text)
-        return CompletionChunk(
-            id=request_id, created=created, model=self.config.served_model_name, choices=[choice]
         )
 
     @staticmethod
@@ -283,3 +175,35 @@ class CompletionServing(EngineServing):
             result.text_offset.append(offset)
             offset += len(text)
         return result
+
+
+class CompletionStream(StreamBuilder[CompletionServing, CompletionRequest, CompletionChunk]):
+    """A completions stream: one event per delta output of each choice (the engine holds back
+    text that could still turn out to be a stop string). A choice's first event carries the
+    echoed prompt and the prompt's logprobs when asked for."""
+
+    chunk_type = CompletionChunk
+
+    def delta_chunk(
+        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
+    ) -> CompletionChunk:
+        serving, request = self.serving, self.request
+        delta = serving._returned(completion, request)
+        choice.tokens += len(delta.token_ids)
+        if request.echo and not choice.started:
+            delta = serving._with_prompt(output, delta)
+        delta.text_offset = choice.text_offset
+        chunk_choice = CompletionChunkChoice(
+            index=choice.index,
+            text=delta.text,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        if request.logprobs is not None:
+            logprobs = serving._logprobs(delta)
+            chunk_choice.logprobs = jsonable(logprobs)
+            if logprobs.tokens:
+                choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        if not choice.started:
+            chunk_choice.prompt_logprobs = jsonable(serving.vllm_prompt_logprobs(output, request))
+        return self.chunk([chunk_choice])

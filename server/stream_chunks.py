@@ -10,7 +10,6 @@ pydantic models and carried here as their JSON-ready data (`jsonable`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -78,11 +77,6 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 Chunk = CompletionChunk | ChatCompletionChunk
 
-# Holds a chunk's text while its frame is rendered (a Unicode noncharacter). The frame is
-# split at the last place this encodes to: every field after the text is a constant of
-# the frame, so an id or model name that holds the same string cannot be taken for it.
-_TEXT_SLOT = "\ufdd0"
-
 
 class EventEncoder:
     """Frames chunks as SSE events: `data: <json>` and a blank line, as bytes."""
@@ -92,21 +86,3 @@ class EventEncoder:
 
     def event(self, chunk: Chunk) -> bytes:
         return b"data: %s\n\n" % self._encoder.encode(chunk)
-
-    def text_events(self, chunk_of: Callable[[str], Chunk]) -> Callable[[str], bytes]:
-        """The events of chunks that differ only in one text: `chunk_of(text)`'s event,
-        which is the same bytes as `event(chunk_of(text))`, for any text.
-
-        Most events of a stream carry only a choice's next text. Their chunk is encoded
-        once here, around a placeholder, and each event is that frame with the text's JSON
-        in it: one string encoded per event, not a chunk built and encoded."""
-        head, slot, tail = self.event(chunk_of(_TEXT_SLOT)).rpartition(
-            self._encoder.encode(_TEXT_SLOT)
-        )
-        assert slot, "chunk_of places its text in the chunk"
-        encode = self._encoder.encode
-
-        def text_event(text: str) -> bytes:
-            return head + encode(text) + tail
-
-        return text_event

@@ -1,18 +1,29 @@
-"""SSE framing and the streamed chunks: one data line per event, [DONE] last, and every chunk
-encoded exactly as the pydantic shape of the same response would be."""
+"""SSE framing and the streamed chunks: one data line per event, [DONE] last, every chunk
+encoded exactly as the pydantic shape of the same response would be, and the streams the
+builder makes of the engine's outputs."""
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from octavo.engine.frontend.async_engine import RequestFailedError
+from octavo.engine.frontend.input_processor import ProcessedPrompt
+from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
+from octavo.server.chat_protocol import ChatCompletionRequest
 from octavo.server.protocol import (
     CompletionChoice,
+    CompletionRequest,
     CompletionResponse,
     Logprobs,
     PromptLogprob,
     PromptTokensDetails,
     Usage,
 )
+from octavo.server.serving_chat import ChatServing, ChatStream
+from octavo.server.serving_completion import CompletionServing, CompletionStream
+from octavo.server.serving_engine import ServerConfig
 from octavo.server.stream_chunks import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -116,23 +127,80 @@ def test_a_chat_chunk_has_openais_chat_completion_chunk_shape():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("model", ["m", "\ufdd0", 'quo"te \ufdd0 model'])
-@pytest.mark.parametrize(
-    "text", ["", " plain", 'a "quoted"\n\\ text', "\u2028\x00\x1f", "\ufdd0", "é 😀"]
-)
-def test_a_text_event_is_its_chunks_event(model, text):
-    """The frame rendered once per choice gives, for every text, the bytes of the chunk built
-    and encoded whole; an id or model name holding the frame's placeholder does not move the
-    text (the chunk of either route)."""
-    encoder = EventEncoder()
+def _serving(route):
+    """A route's serving object without an engine: enough to build its streams."""
+    engine = SimpleNamespace(tokenizer=None, max_model_len=64)
+    return route(engine, ServerConfig(served_model_name="m"), metrics=None)
 
-    def completion(text: str) -> CompletionChunk:
-        choice = CompletionChunkChoice(index=3, text=text)
-        return CompletionChunk(id="cmpl-\ufdd0", created=7, model=model, choices=[choice])
 
-    def chat(text: str) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=1, delta=ChatDelta(content=text))
-        return ChatCompletionChunk(id="chatcmpl-\ufdd0", created=7, model=model, choices=[choice])
+def _output(index, text, tokens, finish_reason=None, stop_reason=None, cached=None):
+    completion = CompletionOutput(index, text, tokens, None, None, finish_reason, stop_reason)
+    return RequestOutput(
+        "r-0", None, [1, 2, 3], [completion], finish_reason is not None,
+        num_cached_tokens=cached,
+    )  # fmt: skip
 
-    for chunk_of in (completion, chat):
-        assert encoder.text_events(chunk_of)(text) == encoder.event(chunk_of(text))
+
+async def _items(events, outputs):
+    """What a stream sends (each item one `send`), its outputs raising what is an exception."""
+
+    async def merged():
+        for output in outputs:
+            if isinstance(output, Exception):
+                raise output
+            yield 0, output
+
+    return [item async for item in events(merged())]
+
+
+def _chunks(item):
+    return [json.loads(e) if e != "[DONE]" else e for e in parse_sse(item)]
+
+
+PROMPTS = [(ProcessedPrompt(None, [1, 2, 3]), None)]
+
+
+def test_a_completion_stream_sends_each_output_then_usage_then_done():
+    """Per output one item of one event for each choice that progressed, with its usage so
+    far (continuous_usage_stats); then the whole usage with [DONE], in one item."""
+    request = CompletionRequest.model_validate(
+        {"model": "m", "prompt": [1, 2, 3], "n": 2, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    )  # fmt: skip
+    stream = CompletionStream(_serving(CompletionServing), "cmpl-1", request, PROMPTS)
+    first = _output(0, " a", [7], cached=2)
+    first.outputs.append(CompletionOutput(1, " b", [8], None, None))
+    outputs = [first, _output(1, " c", [9, 0], "stop", 0), _output(0, "d", [5], "length")]
+    items = asyncio.run(_items(stream.events, outputs))
+    assert len(items) == 4
+    events = [_chunks(item) for item in items]
+    assert [len(e) for e in events] == [2, 1, 1, 2] and events[-1][-1] == "[DONE]"
+    choices = [chunk["choices"][0] for chunk in sum(events[:3], [])]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in choices] == [
+        (0, " a", None), (1, " b", None), (1, " c", "stop"), (0, "d", "length"),
+    ]  # fmt: skip
+    assert [chunk["usage"]["completion_tokens"] for chunk in sum(events[:3], [])] == [1, 1, 3, 2]
+    total = events[-1][0]
+    assert total["choices"] == [] and total["object"] == "text_completion"
+    assert total["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }  # fmt: skip
+    assert {chunk["id"] for chunk in sum(events[:3], [])} == {"cmpl-1"}
+
+
+def test_a_chat_stream_opens_with_each_choices_role_and_ends_an_error_with_done():
+    """The roles go first, in one item; an exception from the outputs is an error event and
+    [DONE], after the events already sent."""
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}
+    )
+    stream = ChatStream(_serving(ChatServing), "chatcmpl-1", request, PROMPTS)
+    outputs = [_output(1, "x", [4]), RequestFailedError("boom")]
+    items = asyncio.run(_items(stream.events, outputs))
+    roles, delta, error = (_chunks(item) for item in items)
+    assert [c["choices"][0]["delta"] for c in roles] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in roles] == [0, 1]
+    assert delta[0]["object"] == "chat.completion.chunk"
+    assert delta[0]["choices"][0]["delta"] == {"role": None, "content": "x"}
+    assert error[1] == "[DONE]" and "boom" in error[0]["error"]["message"]
