@@ -1,6 +1,6 @@
 """Where a result came from, without torch: the machine, the commit, and the JSON file. The
-scripts that measure no model (socket_floor.py) import only this, so they start in a
-fraction of a second; common.py adds torch's versions for the rest."""
+scripts that measure no model (burst_floor.py, cpu_contention.py) import only this, so they
+start in a fraction of a second; common.py adds torch's versions for the rest."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # vLLM's flag and name; quantization.py says what int8 does.
 QUANTIZATIONS = ("int8",)
 # The default prefill_interval where decode steps replay CUDA graphs: the interval measured
-# against admitting every step (benchmarks/README, "prefill interval").
+# against admitting every step (docs/benchmarks/history.md, "prefill interval").
 GRAPH_PREFILL_INTERVAL = 8
 # A CPU KV cache of this size holds tens of thousands of tokens even for GPT-2 xl: the
 # cache is allocated with torch.empty, so pages nobody touches cost no RAM.
@@ -61,7 +61,7 @@ class EngineConfig:
         metadata={"help": "int8: int8 weights (per output channel) and activations (per "
                   "token) on the CPU's int8 units, on CPU only (the --dtype is that of "
                   "activations, biases and the KV cache); fastest at small batches "
-                  "(benchmarks/README, \"int8 weights\")",
+                  "(docs/benchmarks/history.md, \"int8 weights\")",
                   "choices": QUANTIZATIONS},
     )  # fmt: skip
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})

@@ -25,8 +25,8 @@ def tune_collector_for_serving() -> None:
       (connection, tasks, parsed body, engine state) until it ends, so under the default
       every few requests set off a collection, and each one rescans the older requests'
       objects. With thousands in flight that was a large share of the API process's CPU,
-      and its full collections stalled every stream at once (benchmarks/README, "The
-      collector under admission"). Cyclic garbage (uvicorn's and FastAPI's per-request
+      and its full collections stalled every stream at once (docs/benchmarks/history.md,
+      "The collector under admission"). Cyclic garbage (uvicorn's and FastAPI's per-request
       cycles) is still collected, by the same collections, only later: an API process
       under sustained load holds more memory between its full collections, a bounded
       amount. SGLang, TensorRT-LLM and LMDeploy raise the threshold for the same reason.

@@ -3,7 +3,7 @@ plain-torch twin:
 
 - `decode_attention`: paged decode attention reading each sequence's keys where they lie
   (plain torch must first gather them out of their blocks, a copy as large as the keys, every
-  layer, every step); twin paged_attention.py's paged_attention_ref (benchmarks/README,
+  layer, every step); twin paged_attention.py's paged_attention_ref (docs/benchmarks/history.md,
   "Decode attention in place");
 - `quantize_rows`, `rescale_rows_`: an int8 layer's per-token activation scaling, one op each
   where torch takes several small ones; twins in engine/worker/models/quantization.py.

@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 # Split-KV limits of the decode path, from kernel_bench --sweep on an H100 (GPT-2 heads,
-# fp16; figures in benchmarks/README): splitting pays while a launch has too few programs
-# to fill the SMs, fewer than SPLIT_BELOW_PROGRAMS_PER_SM per SM (at large batches splits
-# only add their reduce), down to splits of one BLOCK_N tile; contexts under
-# MIN_CONTEXT_TO_SPLIT keys gain nothing from it.
+# fp16; results/kernel_bench_sweep_nvidia_h100_80gb_hbm3.json, now in git history):
+# splitting pays while a launch has too few programs to fill the SMs, fewer than
+# SPLIT_BELOW_PROGRAMS_PER_SM per SM (at large batches splits only add their reduce), down to
+# splits of one BLOCK_N tile; contexts under MIN_CONTEXT_TO_SPLIT keys gain nothing from it.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 MIN_CONTEXT_TO_SPLIT = 256
 MIN_KEYS_PER_SPLIT = 64

@@ -6,7 +6,7 @@ Through FastAPI, every request of these routes would pass its exception middlewa
 exit-stack middleware, the router's match against every route, the route's own exception
 wrapper and dependency solving before its handler ran: more than the handler itself costs
 on a short request. The end-to-end figure that keeps this middleware is in
-benchmarks/README.md, section "The generating routes skip FastAPI's request handling": a
+docs/benchmarks/history.md, "The generating routes skip FastAPI's request handling": a
 served burst of unstreamed requests reached 71-73% of offline throughput against 63-66%
 through FastAPI (227-238 us of API CPU a request against 338-365; streamed ones did not
 change). Here the body is parsed and validated as FastAPI does it (`json`, then the

@@ -112,7 +112,7 @@ class BodySizeLimit:
 
 def http_with_header_timeout(header_timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (the C parser: less CPU per request and per streamed
-    event than h11's, benchmarks/README) with a deadline for each request's headers: a
+    event than h11's, docs/benchmarks/history.md) with a deadline for each request's headers: a
     connection that has sent no complete request `header_timeout` seconds after it opened (or
     after its last response) is closed, so idle half-open connections cannot pile up
     (slowloris)."""

@@ -138,7 +138,7 @@ def build_server(
 def default_api_server_count(config: EngineConfig) -> int:
     """--api-server-count's default. On CPU one: the engine core's torch threads take the
     other cores. On CUDA the core needs one core for its host loop, and one API process
-    streams a fraction of a GPU engine's tokens at one token per event (benchmarks/README,
+    streams a fraction of a GPU engine's tokens at one token per event (docs/benchmarks/history.md,
     "Streaming at the engine's speed"); so as many as the cores allow beside the core's and
     one for the system, up to MAX_DEFAULT_API_SERVERS."""
     if config.device_type != "cuda":
@@ -160,7 +160,7 @@ def default_model_threads(config: EngineConfig) -> int:
     more than the API process's CPU per streamed token; all cores but one for a small one,
     whose token rate would keep a core of API work busy (and whose many short ops leave
     OpenMP threads spinning against it). Chosen with benchmarks/serving_throughput.py on 2
-    cores; the figures are in benchmarks/README.md."""
+    cores; the figures are in docs/benchmarks/history.md."""
     cores = os.cpu_count() or 1
     model = load_model_config(config.model, config.load_format)
     if model.flops_per_token >= MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES:

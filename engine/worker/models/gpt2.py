@@ -35,9 +35,9 @@ def _laplace(x: torch.Tensor) -> torch.Tensor:
 _tanh_gelu = partial(F.gelu, approximate="tanh")
 # Activation dtypes whose MLP takes the GELU in the matrix product's epilogue on CUDA. Not
 # float32: there the epilogue's GELU strays from torch's by more than the unfused op strays
-# from HF's (benchmarks/README, the H200 session), so float32 keeps the separate op and its
-# parity with HF on near-tied greedy and beam choices; in 16 bits the difference is far
-# below the dtype's rounding.
+# from HF's (docs/benchmarks/history.md, the H200 sessions), so float32 keeps the separate
+# op and its parity with HF on near-tied greedy and beam choices; in 16 bits the difference
+# is far below the dtype's rounding.
 EPILOGUE_GELU_DTYPES = (torch.float16, torch.bfloat16)
 
 # The MLP's activation for each of configs.ACTIVATION_FUNCTIONS (every parameter-free
@@ -191,7 +191,7 @@ class LoadedEmbedding(nn.Embedding):
     """An embedding whose weight the loader writes (weights.py), so it skips torch's random
     init: on the meta device the model is built on, that init runs torch's Python reference
     of `normal_`, which imports torch._dynamo, a slow import no engine start needs
-    (benchmarks/README.md, "Startup")."""
+    (docs/benchmarks/history.md, "Startup")."""
 
     def reset_parameters(self) -> None:
         """Nothing to do: every weight is loaded (or drawn by the dummy loader)."""

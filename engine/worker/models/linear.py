@@ -4,8 +4,8 @@
 loading, `replace_linears` swaps each for a `PackedLinear` where the weights are 16-bit
 and the CPU computes them (`can_pack`), or for quantization.py's `Int8Linear`: its product
 goes through oneDNN with the weight reordered once into oneDNN's blocked layout, where
-torch's F.linear would reorder it again on every call (benchmarks/README, "Prepacked
-weights").
+torch's F.linear would reorder it again on every call (docs/benchmarks/history.md,
+"Prepacked weights").
 
 torch runs a CPU product in bfloat16 or float16 through oneDNN, which compiles a kernel per
 (rows, weight) shape and caches it (up to 1,024, each a few hundred KB). An engine's row

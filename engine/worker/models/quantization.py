@@ -11,7 +11,7 @@ token's large activation does not coarsen the rest of the batch.
 Why torch's own oneDNN operators (`onednn::qlinear_prepack`, `onednn::qlinear_pointwise`,
 the ones Inductor's x86 int8 path emits) and not torchao: torchao's eager CPU int8 layers
 dequantize the weight on every call, about 10x slower than this at one row, and it ties the
-project to a torch-version-matched extension. benchmarks/README ("int8 weights") has the
+project to a torch-version-matched extension. docs/benchmarks/history.md ("int8 weights") has the
 figures against bfloat16 and the quality against float32 and HF's bfloat16.
 """
 

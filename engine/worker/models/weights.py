@@ -74,7 +74,7 @@ def _materialize(net: torch.nn.Module, device: torch.device) -> None:
     """Replaces every parameter of `net` (built on the meta device) by an uninitialized one
     on `device`, for the loader to fill. Not Module.to_empty: its empty_like of a meta tensor
     runs torch's Python reference, which imports sympy, a slow import no engine start needs
-    (benchmarks/README.md, "Startup")."""
+    (docs/benchmarks/history.md, "Startup")."""
     for module in net.modules():
         for name, param in module.named_parameters(recurse=False):
             empty = torch.empty(param.shape, dtype=param.dtype, device=device)
