@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -25,87 +14,6 @@ PREFIX = "octavo:"
 # Seconds; TTFT and queue time span idle-to-loaded, ITL is per token.
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
-
-# A stream's inter-token latencies reach the histogram every this many (and at its end):
-# a long stream shows in /metrics while it runs, at a small share of a bulk add per event.
-ITL_FLUSH_EVENTS = 64
-
-
-class LatencyHistogram(Collector):
-    """A histogram whose counts this collector owns: `add` counts a batch of values, and a
-    scrape shows what prometheus_client's `Histogram(name, documentation, buckets=bounds)`
-    would show after observing the same values one by one, in the same order: its buckets
-    (a value on a bound counts in that bound's bucket), count, sum and creation time (which
-    that Histogram shows unless prometheus_client's created series are disabled; octavo
-    leaves them on).
-
-    A collector rather than `Histogram.observe` because every streamed event of every request
-    lands here: `observe` takes a lock for the sum and another for the bucket, and walks the
-    bounds in Python, per value: 0.73 us, against 0.16 us for a stream's append and this
-    batch's share (one lock a batch, a bisect a value), measured on this project's CPU VM.
-    Its counts are this process's only: with several API processes (prometheus_client's
-    multiprocess mode) use `Histogram.observe`, whose values the other processes' scrapes
-    read."""
-
-    def __init__(self, name: str, documentation: str, bounds: Sequence[float]):
-        self._name = name
-        self._documentation = documentation
-        self._bounds = tuple(bounds)
-        # The `le` labels as prometheus_client's Histogram writes them: Go's format, which
-        # is Python's repr ("0.001", "1.0") for bounds under 1e6 (the test compares them).
-        self._labels = [repr(float(bound)) for bound in self._bounds] + ["+Inf"]
-        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound (+Inf)
-        self._sum = 0.0
-        self._created = time.time()
-        self._lock = threading.Lock()
-
-    def add(self, values: Iterable[float]) -> None:
-        """Counts each value, as `Histogram.observe(value)` would."""
-        bounds, counts = self._bounds, self._counts
-        with self._lock:
-            for value in values:
-                # The first bound >= the value: a bucket holds what is <= its bound.
-                counts[bisect.bisect_left(bounds, value)] += 1
-                self._sum += value
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            cumulative = list(itertools.accumulate(self._counts))
-            total = self._sum
-        family = HistogramMetricFamily(
-            self._name,
-            self._documentation,
-            buckets=list(zip(self._labels, cumulative, strict=True)),
-            sum_value=total,
-        )
-        family.add_sample(self._name + "_created", {}, self._created)
-        yield family
-
-
-class InterTokenLatencies:
-    """One stream's inter-token latencies on their way to the server's histogram.
-
-    `observe` only appends (the stream's events are the hot path); the latencies go to the
-    histogram, `record(latencies)`, every ITL_FLUSH_EVENTS of them and on `flush`, which the
-    stream's end calls."""
-
-    __slots__ = ("_record", "_latencies")
-
-    def __init__(self, record: Callable[[list[float]], None]):
-        self._record = record
-        self._latencies: list[float] = []
-
-    def observe(self, seconds: float) -> None:
-        self._latencies.append(seconds)
-        if len(self._latencies) == ITL_FLUSH_EVENTS:
-            self.flush()
-
-    def flush(self) -> None:
-        """Records what was observed since the last flush."""
-        if self._latencies:
-            self._record(self._latencies)
-            self._latencies = []
 
 
 class EngineStatsCollector(Collector):
@@ -162,23 +70,14 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        itl_name = PREFIX + "inter_token_latency_seconds"
-        itl_doc = "Time between consecutive events of a streamed request."
-        self._record_itl: Callable[[list[float]], None]
-        if multiprocess_dir is None:
-            itl = LatencyHistogram(itl_name, itl_doc, ITL_BUCKETS)
-            self.registry.register(itl)
-            self._record_itl = itl.add
-        else:
-            # Several API processes: a value reaches the files that every process's scrape
-            # adds up only through a metric's own `observe` (1.8 us a value, measured).
-            shared = Histogram(itl_name, itl_doc, buckets=ITL_BUCKETS, registry=self.registry)
-
-            def observe_each(latencies: list[float]) -> None:
-                for seconds in latencies:
-                    shared.observe(seconds)
-
-            self._record_itl = observe_each
+        # Observed per streamed event: prometheus_client's observe costs well under a
+        # microsecond, against tens of microseconds of API CPU per streamed token.
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive events of a streamed request.",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Arrival to finish.",
@@ -199,10 +98,6 @@ class ServerMetrics:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-
-    def inter_token_latencies(self) -> InterTokenLatencies:
-        """Where one stream observes its inter-token latencies (flush it at the end)."""
-        return InterTokenLatencies(self._record_itl)
 
     def render(self) -> bytes:
         if self._multiprocess_dir is None:

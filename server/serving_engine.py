@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -29,7 +29,7 @@ from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.structured_outputs import compile_grammar
 from octavo.server.errors import APIError, model_not_found
-from octavo.server.metrics import InterTokenLatencies, ServerMetrics
+from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
 from octavo.server.stream_chunks import EventEncoder
 
@@ -254,22 +254,19 @@ class EngineServing:
         """Interleaves several output streams as outputs arrive, observing each one's
         inter-token latency; closing this generator (a client that went away) cancels them
         all, which aborts their requests."""
-        itl = self.metrics.inter_token_latencies()
-        try:
-            if len(streams) == 1:  # the common case, without a task per stream
-                last = None
-                async for output in streams[0]:
-                    now = time.monotonic()
-                    if last is not None:
-                        itl.observe(now - last)
-                    last = now
-                    yield 0, output
-                return
-            async with contextlib.aclosing(_interleaved(streams, itl)) as outputs:
-                async for item in outputs:
-                    yield item
-        finally:
-            itl.flush()
+        observe = self.metrics.itl.observe
+        if len(streams) == 1:  # the common case, without a task per stream
+            last = None
+            async for output in streams[0]:
+                now = time.monotonic()
+                if last is not None:
+                    observe(now - last)
+                last = now
+                yield 0, output
+            return
+        async with contextlib.aclosing(_interleaved(streams, observe)) as outputs:
+            async for item in outputs:
+                yield item
 
     def vllm_prompt_logprobs(
         self, output: RequestOutput, request: GenerationRequest
@@ -307,7 +304,7 @@ class EngineServing:
 
 
 async def _interleaved(
-    streams: list[AsyncIterator[RequestOutput]], itl: InterTokenLatencies
+    streams: list[AsyncIterator[RequestOutput]], observe: Callable[[float], None]
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """`EngineServing.merge` of several streams: a task reads each one into one queue."""
     last: dict[int, float] = {}
@@ -334,7 +331,7 @@ async def _interleaved(
             else:
                 now = time.monotonic()
                 if index in last:
-                    itl.observe(now - last[index])
+                    observe(now - last[index])
                 last[index] = now
                 yield index, item
     finally:
