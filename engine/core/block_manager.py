@@ -37,7 +37,7 @@ class BlockManager:
     A sequence's block table lists the physical blocks holding its tokens in order; token `p`
     lives in slot `table[p // block_size] * block_size + p % block_size`. Blocks are ref-counted:
     `fork` makes a child share all of its parent's blocks. Before a sequence writes into a
-    block that others still hold (only ever its partially filled last block), `append_slots`
+    block that others still hold (only ever its partially filled last block), `allocate_slots`
     gives it a private copy and records the `(src, dst)` pair; `take_copies` hands the pairs of
     a step to the model runner, which copies them before storing new K/V.
 
@@ -70,6 +70,10 @@ class BlockManager:
         self.block_tables: dict[int, list[int]] = {}
         self._copies: list[tuple[int, int]] = []
         self._changed: set[int] = set()
+        # Per sequence, the position below which it writes into blocks it holds alone, as
+        # allocate_slots last found it: a decode below it (most steps) needs no look at its
+        # table. Conservative: fork drops it for both sequences.
+        self._writable_end: dict[int, int] = {}
         self._freed: list[int] = []
         # Prefix cache: a registered block's name, the block of each name, the registered
         # blocks nobody holds (least recently released first), and the names of the full
@@ -107,28 +111,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `append_slots(seq, num_new_tokens)` would take from the free list."""
-        table = self.block_tables.get(seq.seq_id, ())
-        needed = self.num_blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(table)
-        if self._needs_copy_on_write(seq, table):
-            needed += 1
-        return max(needed, 0)
-
-    def has_slot_in_place(self, seq: Sequence) -> bool:
-        """True when the next token of `seq` goes into a block it already holds alone: one
-        decode token then needs no allocation, copy or table change (the common step)."""
+        """Blocks `allocate_slots(seq, num_new_tokens)` would take from the free list."""
         table = self.block_tables.get(seq.seq_id)
+        start, block_size = seq.num_computed_tokens, self.block_size
         if table is None:
-            return False
-        index = seq.num_computed_tokens // self.block_size
-        return index < len(table) and self.ref_counts[table[index]] == 1
-
-    def _needs_copy_on_write(self, seq: Sequence, table) -> bool:
-        """True when the next token goes into an existing block that another table holds."""
-        position = seq.num_computed_tokens
-        if position % self.block_size == 0 or not table:
-            return False
-        return self.ref_counts[table[position // self.block_size]] > 1
+            return -(-(start + num_new_tokens) // block_size)
+        needed = -(-(start + num_new_tokens) // block_size) - len(table)
+        if start % block_size and self.ref_counts[table[start // block_size]] > 1:
+            needed += 1  # copy-on-write of a shared partial block
+        return needed if needed > 0 else 0
 
     # -- mutations ---------------------------------------------------------------------------
 
@@ -142,7 +133,7 @@ class BlockManager:
             del self._cached_blocks[name]
             self._block_hashes[block] = None
         else:
-            raise NoFreeBlocksError("no free KV-cache block; check num_new_blocks_needed first")
+            raise NoFreeBlocksError("no free KV-cache block; allocate_slots checks first")
         self.ref_counts[block] = 1
         return block
 
@@ -154,30 +145,41 @@ class BlockManager:
             else:
                 self._evictable[block] = None
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Makes room for the tokens [num_computed, num_computed + num_new_tokens) of `seq`.
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Makes room for the tokens [num_computed, num_computed + num_new_tokens) of `seq`;
+        returns False, changing nothing, when the free blocks are too few.
 
         Copy-on-write happens here: a shared partial last block is replaced in this table by a
         fresh block, the pair is recorded for copying, and the old block loses one reference.
+        A token that goes into a block the sequence holds alone (most decodes) changes nothing.
         """
-        if self.num_new_blocks_needed(seq, num_new_tokens) > self.num_free_blocks:
-            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more blocks than are free")
-        table = self.block_tables.setdefault(seq.seq_id, [])
-        target = self.num_blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        if len(table) < target:
+        start = seq.num_computed_tokens
+        if start + num_new_tokens <= self._writable_end.get(seq.seq_id, 0):
+            return True  # full blocks it filled register when it next enters a new one
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            table = self.block_tables[seq.seq_id] = []
+        block_size = self.block_size
+        target = -(-(start + num_new_tokens) // block_size)
+        copy_on_write = start % block_size != 0 and self.ref_counts[table[start // block_size]] > 1
+        needed = target - len(table) + copy_on_write
+        if needed > 0:
+            if needed > self.num_free_blocks:
+                return False
             self._changed.add(seq.seq_id)
-        if self._needs_copy_on_write(seq, table):
-            self._changed.add(seq.seq_id)
-            index = seq.num_computed_tokens // self.block_size
-            src = table[index]
-            dst = self._allocate_block()
-            table[index] = dst
-            self._release_block(src)
-            self._copies.append((src, dst))
-        while len(table) < target:
-            table.append(self._allocate_block())
+            if copy_on_write:
+                index = start // block_size
+                src = table[index]
+                dst = self._allocate_block()
+                table[index] = dst
+                self._release_block(src)
+                self._copies.append((src, dst))
+            while len(table) < target:
+                table.append(self._allocate_block())
         if self.enable_prefix_caching:
-            self._register(seq, table, seq.num_computed_tokens + num_new_tokens)
+            self._register(seq, table, start + num_new_tokens)
+        self._writable_end[seq.seq_id] = len(table) * block_size
+        return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Gives `child` its parent's table; every shared block gains one reference."""
@@ -186,6 +188,7 @@ class BlockManager:
             self.ref_counts[block] += 1
         self.block_tables[child.seq_id] = list(table)
         self._changed.add(child.seq_id)
+        self._writable_end.pop(parent.seq_id, None)  # its last block is shared now
         names = self._seq_names.get(parent.seq_id)
         if names is not None:  # their full blocks are the same
             self._seq_names[child.seq_id] = _BlockNames(list(names.names), names.num_registered)
@@ -195,6 +198,7 @@ class BlockManager:
         prefix caching, its computed full blocks are registered first and wait as evictable;
         the last blocks are released first, so they are evicted before the first)."""
         table = self.block_tables.pop(seq.seq_id, None)
+        self._writable_end.pop(seq.seq_id, None)
         if table is None:
             self._seq_names.pop(seq.seq_id, None)  # looked up while it waited
             return
@@ -317,3 +321,8 @@ class BlockManager:
             assert block not in free or name is None, f"free block {block} is registered"
             assert block not in evictable or name is not None, f"unregistered {block} evictable"
         assert self.enable_prefix_caching or not self._cached_blocks, "cached while disabled"
+        for seq_id, end in self._writable_end.items():
+            table = self.block_tables[seq_id]
+            assert end <= len(table) * self.block_size, f"sequence {seq_id} writes past its table"
+            last = table[(end - 1) // self.block_size]
+            assert self.ref_counts[last] == 1, f"sequence {seq_id} would write a shared block"

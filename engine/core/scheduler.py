@@ -186,70 +186,15 @@ class Scheduler:
         self._num_prompt_logprobs_spans = 0
         step = _StepBuilder()
         preempted: list[SequenceGroup] = []
-        bm = self.block_manager
-        tables, ref_counts, block_size = bm.block_tables, bm.ref_counts, bm.block_size
-        sample_rows = self._sample_rows
-        decodes, decode_entries = step.decodes, step.decode_entries
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
-            seqs = group.seqs
-            if len(seqs) == 1 and group.beam is None:
-                # The steady state, checked inline: one sample decoding into a block it holds
-                # alone, or into a new one while a block is free, needs no plan or copy.
-                seq = seqs[0]
-                start = seq.num_computed_tokens
-                table = tables.get(seq.seq_id)
-                if seq.num_pending_tokens and self._ends_pending(group, seq):
-                    index += 1  # its pending token is its last: nothing more to compute
-                    continue
-                tokens = seq.token_ids
-                block_index = start // block_size
-                if (
-                    len(tokens) + seq.num_pending_tokens - start == 1
-                    and table is not None
-                    and (
-                        block_index < len(table)
-                        and ref_counts[table[block_index]] == 1
-                        # A new block: with varied lengths, some sequence of a running
-                        # batch enters one on every step.
-                        or block_index == len(table)
-                        and bm.num_free_blocks > 0
-                    )
-                    and group.num_sequences == 1  # no fork pending (group.needs_fork)
-                    and not group.wants_prompt_logprobs
-                ):
-                    # _schedule_seq's work for one token sampled from the sequence itself,
-                    # inline: every running sequence passes here every step.
-                    if block_index == len(table):
-                        bm.append_slots(seq, 1)
-                    sample_ids, entry = sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
-                    seq.num_computed_tokens = start + 1
-                    seq.num_pending_tokens += 1
-                    decodes.append(
-                        ScheduledSequence(
-                            seq.seq_id, start, 1, tokens[start : start + 1], sample_ids
-                        )
-                    )
-                    decode_entries.append(entry)
-                    budget -= 1
-                    index += 1
-                    continue
-            seqs = group.unfinished_seqs
-            if len(seqs) <= budget and self._decode_in_place(group, seqs, step):
-                budget -= len(seqs)
-                index += 1
-                continue
-            plan = self._plan(group, budget)
-            while not self._fits(plan):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is group:
+            scheduled = self._schedule_group(group, budget, step)
+            if scheduled is None:
+                scheduled = self._preempt_for(group, budget, step, preempted)
+                if scheduled is None:
                     break
-            if group in preempted:
-                break
-            budget -= self._commit(group, plan, step)
+            budget -= scheduled
             index += 1
 
         self._steps_since_admission += 1
@@ -264,11 +209,12 @@ class Scheduler:
             if any(seq.num_pending_tokens for seq in seqs):
                 break  # preempted with a token in flight: recomputed once it has arrived
             num_cached = self._take_cached_prefix(group, seqs)
-            plan = self._plan(group, budget)
-            if not self._fits(plan):
+            scheduled = self._schedule_group(group, budget, step)
+            if scheduled is None:
                 if num_cached:
                     self._return_cached_prefix(seqs[0])
                 break
+            budget -= scheduled
             self._count_prefix_lookup(group, seqs, num_cached)
             self.waiting.popleft()
             self.running.append(group)
@@ -276,17 +222,17 @@ class Scheduler:
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += len(group.prompt_token_ids)
-            for seq in seqs:
+            for seq in group.unfinished_seqs:  # the samples forked off its prompt too
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
-            budget -= self._commit(group, plan, step)
             self._steps_since_admission = 0
 
+        bm = self.block_manager
         changed, freed = bm.take_changes()
         output = SchedulerOutput(
             scheduled=step.decodes + step.prefills,
             blocks_to_copy=bm.take_copies(),
-            block_tables={seq_id: list(tables[seq_id]) for seq_id in changed},
+            block_tables={seq_id: list(bm.block_tables[seq_id]) for seq_id in changed},
             new_sampled=self._new_sampled,
             freed_seq_ids=freed,
             finished_seq_ids=self._finished_seq_ids,
@@ -297,50 +243,6 @@ class Scheduler:
         self._new_sampled, self._finished_seq_ids = [], []
         self._new_constrained_beams, self._beam_choices = {}, []
         return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
-
-    def _schedule_seq(
-        self, step: _StepBuilder, num_new: int, row: ScheduleRow, beam_top_k: int = 0
-    ) -> None:
-        """Schedules tokens [num_computed_tokens, + num_new) of the entry's sequence (the one
-        place a step's sequence is made) and advances it past them; each sequence sampled
-        from its last position gets a pending token. `row`: a sampled sequence's cached row
-        (`_sample_row`), or one made for this step (`_row`)."""
-        sample_ids, entry = row
-        group, seq, sample_seqs = entry
-        start = seq.num_computed_tokens
-        seq.num_computed_tokens = start + num_new
-        for sampled in sample_seqs:
-            sampled.num_pending_tokens += 1
-        if beam_top_k and group.beam_grammar is not None:
-            self._announce_beam(seq, group.beam_grammar)
-        item = ScheduledSequence(
-            seq_id=seq.seq_id,
-            start=start,
-            num_new_tokens=num_new,
-            input_token_ids=seq.token_ids[start : start + num_new],
-            sample_seq_ids=sample_ids,
-            beam_top_k=beam_top_k,
-            prompt_logprobs=(
-                self._prompt_logprobs_span(group, start, num_new)
-                if group.wants_prompt_logprobs
-                else None
-            ),
-        )
-        if num_new == 1:
-            step.decodes.append(item)
-            step.decode_entries.append(entry)
-        else:
-            step.prefills.append(item)
-            step.prefill_entries.append(entry)
-
-    @staticmethod
-    def _row(
-        group: SequenceGroup, seq: Sequence, sample_ids: tuple[int, ...] = (),
-        sample_seqs: tuple[Sequence, ...] = (),
-    ) -> ScheduleRow:  # fmt: skip
-        """A row for this step only: a sequence nothing is sampled from, or a prompt whose
-        samples are forked off it this step."""
-        return sample_ids, (group, seq, sample_seqs)
 
     def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
         """Gives a sequence about to be admitted the cached blocks of its longest prefix and
@@ -376,28 +278,6 @@ class Scheduler:
             self.num_prefix_cache_queries += len(seqs[0].token_ids)
             self.num_prefix_cache_hits += num_cached
 
-    def _decode_in_place(
-        self, group: SequenceGroup, seqs: list[Sequence], step: _StepBuilder
-    ) -> bool:
-        """The steady state, without planning: when every live sequence of `group` decodes
-        one token into a block it already holds alone, schedules them all and returns True;
-        otherwise schedules nothing and returns False."""
-        if group.needs_fork:
-            return False
-        bm = self.block_manager
-        for seq in seqs:
-            if seq.num_uncomputed_tokens != 1 or not bm.has_slot_in_place(seq):
-                return False
-            if seq.num_pending_tokens and self._ends_pending(group, seq):
-                return False
-        beam = group.beam
-        for seq in seqs:
-            if beam is None:
-                self._schedule_seq(step, 1, self._sample_row(group, seq))
-            else:
-                self._schedule_seq(step, 1, self._row(group, seq), beam.candidates_needed)
-        return True
-
     def _sample_row(self, group: SequenceGroup, seq: Sequence) -> ScheduleRow:
         """The row of `seq` (of a sampling request), sampled from itself: built, and
         announced to the worker (`NewSampledSequence`), the first time it is sampled; reused
@@ -413,26 +293,117 @@ class Scheduler:
             )  # fmt: skip
         return row
 
-    def _ends_pending(self, group: SequenceGroup, seq: Sequence) -> bool:
-        """True when the pending tokens of `seq` already bring it to max_tokens or
-        max_model_len: it will finish on them, so computing past them would be waste (and
-        past max_model_len, positions the model does not have)."""
-        return len(seq.token_ids) + seq.num_pending_tokens >= group.max_num_tokens
+    def _schedule_group(self, group: SequenceGroup, budget: int, step: _StepBuilder) -> int | None:
+        """Schedules `group`'s tokens of this step by the one rule and advances its sequences
+        past them; returns the number of tokens, or None, having changed nothing, when the
+        free blocks are too few for all of them.
 
-    def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """How many tokens each unfinished sequence of `group` computes within `budget`."""
-        if group.beam is not None and len(group.unfinished_seqs) > 1:
-            return self._plan_beams(group, budget)
-        plan = []
-        for seq in group.unfinished_seqs:
-            if seq.num_pending_tokens and self._ends_pending(group, seq):
-                continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0:
-                break
-            plan.append((seq, num_new))
-            budget -= num_new
-        return plan
+        The one rule, for prompts and decodes alike: each unfinished sequence, in order,
+        computes the tokens it still needs (`num_uncomputed_tokens`: the rest of its prompt,
+        all its tokens again after a preemption, or the one it sampled last), capped by what
+        is left of `budget`. A sequence whose pending tokens already bring it to max_tokens
+        or max_model_len computes none: it finishes on them, and past max_model_len the model
+        has no positions. Live beams are planned together (`_plan_beams`).
+
+        What a scheduled sequence's last position feeds: nothing (a chunk short of its end),
+        beam search (`beam_top_k`), or sampling, from the sequence itself (its cached row,
+        `_sample_row`) or, for an n > 1 prompt, from it and the samples forked off it here.
+        Each sequence sampled from gets a pending token.
+
+        Most calls are one sample's decode: a sequence with a cached row (sampled from
+        itself), one token to compute and a slot for it. That case is the same rule with
+        its answers read off the cache, without building a plan."""
+        seqs = group.seqs
+        if len(seqs) == 1:
+            seq = seqs[0]
+            cached = self._sample_rows.get(seq.seq_id)
+            start = seq.num_computed_tokens
+            known = len(seq.token_ids) + seq.num_pending_tokens
+            if cached is not None and known - start == 1 and known < group.max_num_tokens:
+                if not self.block_manager.allocate_slots(seq, 1):
+                    return None
+                seq.num_computed_tokens = start + 1
+                seq.num_pending_tokens += 1
+                step.decodes.append(
+                    ScheduledSequence(
+                        seq.seq_id, start, 1, seq.token_ids[start : start + 1], cached[0]
+                    )
+                )
+                step.decode_entries.append(cached[1])
+                return 1
+        beam = group.beam
+        if beam is not None and group.num_unfinished_seqs > 1:
+            plan = self._plan_beams(group, budget)
+        else:
+            plan = []
+            for seq in group.seqs:
+                if seq.is_finished:
+                    continue
+                pending = seq.num_pending_tokens
+                known = len(seq.token_ids) + pending
+                if pending and known >= group.max_num_tokens:
+                    continue
+                num_new = known - seq.num_computed_tokens
+                if num_new > budget:
+                    num_new = budget
+                if num_new == 0:
+                    break
+                plan.append((seq, num_new))
+                budget -= num_new
+        if len(plan) == 1:  # most groups: one sequence
+            if not self.block_manager.allocate_slots(*plan[0]):
+                return None
+        elif not self._allocate(plan):
+            return None
+
+        scheduled = 0
+        for seq, num_new in plan:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            scheduled += num_new
+            beam_top_k = 0
+            shares_prompt = False
+            row: ScheduleRow
+            if end < len(seq.token_ids) + seq.num_pending_tokens:
+                # A chunk short of the sequence's end: nothing is sampled from it.
+                row = (), (group, seq, ())
+                shares_prompt = beam is not None and end == len(group.prompt_token_ids)
+            elif beam is not None:
+                row = (), (group, seq, ())
+                beam_top_k = beam.candidates_needed
+                if group.beam_grammar is not None:
+                    self._announce_beam(seq, group.beam_grammar)
+            elif len(group.seqs) < group.num_sequences:  # group.needs_fork, inline
+                self._sample_row(group, seq)
+                children = self._fork(group, seq)
+                for child in children:  # the prompt this step completes is theirs too
+                    child.num_computed_tokens = end
+                    self._sample_row(group, child)
+                sampled = (seq, *children)
+                row = tuple(s.seq_id for s in sampled), (group, seq, sampled)
+            else:
+                row = self._sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
+            sample_ids, entry = row
+            seq.num_computed_tokens = end
+            for sampled_seq in entry[2]:
+                sampled_seq.num_pending_tokens += 1
+            span = (
+                self._prompt_logprobs_span(group, start, num_new)
+                if group.wants_prompt_logprobs
+                else None
+            )
+            item = ScheduledSequence(
+                seq.seq_id, start, num_new, seq.token_ids[start:end], sample_ids, beam_top_k, span
+            )
+            if num_new == 1:
+                step.decodes.append(item)
+                step.decode_entries.append(entry)
+            else:
+                step.prefills.append(item)
+                step.prefill_entries.append(entry)
+            if shares_prompt:
+                self._share_recomputed_prompt(group, seq)
+        return scheduled
 
     @staticmethod
     def _plan_beams(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
@@ -456,40 +427,31 @@ class Scheduler:
                 budget -= num_new
         return plan
 
-    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+    def _allocate(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Allocates the slots of every planned sequence, or of none (False). The check may
+        count a copy-on-write that an earlier sequence's own copy makes unneeded: it errs
+        toward not fitting."""
         bm = self.block_manager
-        return sum(bm.num_new_blocks_needed(s, n) for s, n in plan) <= bm.num_free_blocks
-
-    def _commit(
-        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], step: _StepBuilder
-    ) -> int:
-        """Allocates the planned slots, advances the sequences, forks n > 1 samples off a
-        completed prompt; returns the number of tokens scheduled."""
-        bm = self.block_manager
-        beam = group.beam
+        if sum(bm.num_new_blocks_needed(s, n) for s, n in plan) > bm.num_free_blocks:
+            return False
         for seq, num_new in plan:
-            bm.append_slots(seq, num_new)
-            reaches_end = (
-                seq.num_computed_tokens + num_new == len(seq.token_ids) + seq.num_pending_tokens
-            )
-            if reaches_end and beam is not None:
-                self._schedule_seq(step, num_new, self._row(group, seq), beam.candidates_needed)
-            elif reaches_end and group.needs_fork:
-                self._sample_row(group, seq)
-                children = self._fork(group, seq)
-                for child in children:  # the prompt this step completes is theirs too
-                    child.num_computed_tokens += num_new
-                    self._sample_row(group, child)
-                sampled = (seq, *children)
-                ids = tuple(s.seq_id for s in sampled)
-                self._schedule_seq(step, num_new, self._row(group, seq, ids, sampled))
-            elif reaches_end:
-                self._schedule_seq(step, num_new, self._sample_row(group, seq))
-            else:
-                self._schedule_seq(step, num_new, self._row(group, seq))
-                if beam is not None and seq.num_computed_tokens == len(group.prompt_token_ids):
-                    self._share_recomputed_prompt(group, seq)
-        return sum(n for _, n in plan)
+            bm.allocate_slots(seq, num_new)
+        return True
+
+    def _preempt_for(
+        self, group: SequenceGroup, budget: int, step: _StepBuilder, preempted: list[SequenceGroup]
+    ) -> int | None:
+        """Preempts running groups, the most recently admitted first, until the running
+        `group` is scheduled; returns its tokens, or None when `group` itself had to go."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is group:
+                return None
+            scheduled = self._schedule_group(group, budget, step)
+            if scheduled is not None:
+                return scheduled
 
     def _prompt_logprobs_span(
         self, group: SequenceGroup, start: int, num_new: int
@@ -538,32 +500,44 @@ class Scheduler:
     # -- results -----------------------------------------------------------------------------
 
     def update(self, step: ScheduledStep, result: ModelRunnerOutput) -> SchedulerUpdate:
-        """Appends the sampled tokens, applies stop rules, advances beam searches, frees
-        finished sequences, and says what each request gained (see `SchedulerUpdate`).
+        """Applies a step's results in three jobs: the sampled rows (tokens appended, stop
+        rules, `_update_sampled`), the beam searches (`_update_beams`) and the prompt
+        logprobs (`_attach_prompt_logprobs`); then drops the finished groups from their
+        queue. Says what each request gained (see `SchedulerUpdate`). Whatever raises while
+        one group is updated (sampling bookkeeping, stop checks, beam arithmetic) fails that
+        group alone (`fail`); the others are updated as usual."""
+        now = time.monotonic()
+        update = SchedulerUpdate([], [])
+        self._update_sampled(step, result, update, now)
+        if result.beam_seq_ids:
+            self._update_beams(step, result, update, now)
+        if result.prompt_logprobs:
+            self._attach_prompt_logprobs(step, result, update)
+        if update.finished:
+            self._drop_finished(update.finished)
+        return update
+
+    def _update_sampled(
+        self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float
+    ) -> None:
+        """Appends each sampled row's token to its sequence and applies the stop rules.
 
         Rows come in the order of the step's scheduled sequences and their samples; each row
         names its sequence and a row that names another is a broken contract
         (AssertionError). One loop does everything per row: this runs for every token of
-        every request. Whatever raises while one group is updated (sampling bookkeeping,
-        stop checks, beam arithmetic) fails that group alone (`fail`); the others are
-        updated as usual."""
-        now = time.monotonic()
+        every request."""
         seq_ids, sampled = result.sampled_seq_ids, result.sampled
         token_ids, logprobs, top_logprobs = (
             sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         )  # fmt: skip
         check_stop = self.stop_checker.check
         grammar_ended, grammar_failed = result.grammar.ended, result.grammar.failed
-        update = SchedulerUpdate([], [])
         outputs, finished = update.outputs, update.finished
         # Groups with several samples gather their deltas here (first: their first tokens).
         gathered: dict[int, tuple[SequenceGroup, list[SampleDelta], bool]] = {}
-        beam_groups: list[SequenceGroup] = []
         row = 0
-        for item, (group, _, sample_seqs) in zip(step.output.scheduled, step.entries, strict=True):
+        for group, _, sample_seqs in step.entries:
             if not sample_seqs:
-                if item.beam_top_k:
-                    beam_groups.append(group)
                 continue
             for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:
@@ -633,34 +607,50 @@ class Scheduler:
                 outputs.append(final_output(group, deltas))
             else:
                 outputs.append(progress_output(group, deltas, first))
-        if beam_groups:
-            self._num_running_seqs = None  # a first step turns one sequence into beams
-            beam_rows = {seq_id: row for row, seq_id in enumerate(result.beam_seq_ids)}
-            for group in dict.fromkeys(beam_groups):  # a group's beams are scheduled together
-                if group.is_finished:
-                    continue
-                self._beam_step(group, result, beam_rows, now)
-                if group.is_finished:
-                    finished.append(group)
-                    outputs.append(final_output(group, []))
-        if result.prompt_logprobs:
-            chunks: dict[str, PromptLogprobs] = {}
-            groups: dict[str, SequenceGroup] = {}
-            for item, (group, _, _) in zip(step.output.scheduled, step.entries, strict=True):
-                chunk = result.prompt_logprobs.get(item.seq_id)
-                if chunk is not None and group.error is None:
-                    chunks[group.request_id], groups[group.request_id] = chunk, group
-            attach_prompt_logprobs(outputs, chunks, groups)
-        if finished:
-            was_running = {id(g) for g in self.running}
-            self.running = [g for g in self.running if not g.is_finished]
-            # A group that finished here without running was preempted after this step was
-            # scheduled (a late token finished it): only then can a finished group be
-            # waiting. Looking among the finished, not the waiting, keeps a step's cost
-            # independent of how many requests wait.
-            if any(id(g) not in was_running for g in finished):
-                self.waiting = deque(g for g in self.waiting if not g.is_finished)
-        return update
+
+    def _update_beams(
+        self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float
+    ) -> None:
+        """Advances each beam search the step computed candidates for (a group's beams are
+        scheduled together: one `_beam_step` each)."""
+        self._num_running_seqs = None  # a first step turns one sequence into beams
+        rows = {seq_id: row for row, seq_id in enumerate(result.beam_seq_ids)}
+        groups = {
+            id(group): group
+            for item, (group, _, _) in zip(step.output.scheduled, step.entries, strict=True)
+            if item.beam_top_k
+        }
+        for group in groups.values():
+            if group.is_finished:
+                continue
+            self._beam_step(group, result, rows, now)
+            if group.is_finished:
+                update.finished.append(group)
+                update.outputs.append(final_output(group, []))
+
+    @staticmethod
+    def _attach_prompt_logprobs(
+        step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate
+    ) -> None:
+        """Hands each request the prompt logprobs its chunk of the step scored."""
+        chunks: dict[str, PromptLogprobs] = {}
+        groups: dict[str, SequenceGroup] = {}
+        for item, (group, _, _) in zip(step.output.scheduled, step.entries, strict=True):
+            chunk = result.prompt_logprobs.get(item.seq_id)
+            if chunk is not None and group.error is None:
+                chunks[group.request_id], groups[group.request_id] = chunk, group
+        attach_prompt_logprobs(update.outputs, chunks, groups)
+
+    def _drop_finished(self, finished: list[SequenceGroup]) -> None:
+        """Takes the step's finished groups out of their queue."""
+        was_running = {id(g) for g in self.running}
+        self.running = [g for g in self.running if not g.is_finished]
+        # A group that finished here without running was preempted after this step was
+        # scheduled (a late token finished it): only then can a finished group be
+        # waiting. Looking among the finished, not the waiting, keeps a step's cost
+        # independent of how many requests wait.
+        if any(id(g) not in was_running for g in finished):
+            self.waiting = deque(g for g in self.waiting if not g.is_finished)
 
     def _beam_step(
         self, group: SequenceGroup, result: ModelRunnerOutput, rows: dict[int, int], now: float

@@ -2,7 +2,7 @@
 
 import pytest
 
-from octavo.engine.core.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
+from octavo.engine.core.block_manager import NULL_BLOCK, BlockManager
 from octavo.engine.core.sequence import Sequence
 
 
@@ -12,8 +12,7 @@ def make_seq(seq_id: int, num_tokens: int) -> Sequence:
 
 def compute(bm: BlockManager, seq: Sequence, num_new: int) -> None:
     """What a step does: make room, then count the tokens as computed."""
-    assert bm.num_new_blocks_needed(seq, num_new) <= bm.num_free_blocks
-    bm.append_slots(seq, num_new)
+    assert bm.allocate_slots(seq, num_new)
     seq.num_computed_tokens += num_new
     bm.check_invariants()
 
@@ -48,8 +47,9 @@ def test_chunked_allocation_counts_blocks_exactly():
     # 20 tokens: 5 blocks, all the usable ones.
     assert bm.num_new_blocks_needed(seq, 15) <= bm.num_free_blocks
     assert bm.num_new_blocks_needed(seq, 16) > bm.num_free_blocks
-    with pytest.raises(NoFreeBlocksError):
-        bm.append_slots(seq, 17)
+    free, table = bm.num_free_blocks, list(bm.get_block_table(seq))
+    assert not bm.allocate_slots(seq, 17)  # refused whole: nothing taken
+    assert bm.num_free_blocks == free and bm.get_block_table(seq) == table
     bm.check_invariants()
 
 
@@ -139,12 +139,12 @@ def test_take_changes_reports_exactly_the_tables_that_changed_and_those_dropped(
     compute(bm, a, 6)  # a new table of two blocks
     assert bm.take_changes() == ({0}, [])
     compute(bm, a, 1)  # position 6: inside block 2, held alone
-    assert bm.has_slot_in_place(a) and bm.take_changes() == (set(), [])
+    assert bm.num_new_blocks_needed(a, 1) == 0 and bm.take_changes() == (set(), [])
     b = make_seq(1, 7)
     b.num_computed_tokens = 7  # a's tokens, as Sequence.fork copies them
     bm.fork(a, b)
     assert bm.take_changes() == ({1}, [])
-    assert not bm.has_slot_in_place(b)  # its last block is shared now
+    assert bm.num_new_blocks_needed(b, 1) == 1  # its last block is shared: copy-on-write
     compute(bm, b, 1)  # copy-on-write swaps b's last block
     assert bm.take_changes() == ({1}, []) and bm.take_copies() == [(2, 3)]
     compute(bm, a, 2)  # positions 7 and 8: the second opens a new block

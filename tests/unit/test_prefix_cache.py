@@ -17,8 +17,7 @@ def seq_of(seq_id: int, tokens: list[int]) -> Sequence:
 
 def compute(bm: BlockManager, seq: Sequence, num_new: int) -> None:
     """What a step does: make room, then count the tokens as computed."""
-    assert bm.num_new_blocks_needed(seq, num_new) <= bm.num_free_blocks
-    bm.append_slots(seq, num_new)
+    assert bm.allocate_slots(seq, num_new)
     seq.num_computed_tokens += num_new
     bm.check_invariants()
 
