@@ -84,8 +84,8 @@ class SchedulerConfig:
 class Scheduler:
     """Decides each step which tokens of which sequences to compute, and applies the results.
 
-    Every step: running groups, in admission order, get their remaining tokens (one per decoding
-    sequence, a chunk for a prompt still being prefilled) under `max_num_batched_tokens`; when
+    Every step: running groups, in admission order, get the tokens they still need, by one rule
+    for prompts and decodes (`_schedule_group`), under `max_num_batched_tokens`; when
     the BlockManager cannot hold them, the most recently admitted group is preempted (its
     blocks freed, its tokens kept, recomputed later from the front of the waiting queue).
     Then waiting groups are admitted, in arrival order, while budget, `max_num_seqs` and free
@@ -410,8 +410,8 @@ class Scheduler:
         """Live beams decode together: one step ranks candidates across all of them.
 
         After a preemption they are recomputed sharing the prompt again: the first beam
-        computes the prompt, the others fork it at the prompt's end (see `_commit`), then each
-        computes its own tokens but the last, which all beams compute in one decode step.
+        computes the prompt, the others fork it at the prompt's end (`_schedule_group`), then
+        each computes its own tokens but the last, which all beams compute in one decode step.
         """
         beams = group.unfinished_seqs
         if all(b.num_uncomputed_tokens == 1 for b in beams):
