@@ -159,11 +159,8 @@ class EngineCore:
         self._in_flight: tuple[ScheduledStep, StepFuture] | None = None
         # Resolved once: the config is frozen, and resolving it per step would ask torch.
         self._schedules_ahead = config.schedules_ahead
-        # Requests that need every token on the host before their next step is scheduled
-        # (beam search, penalties and bad words, which read the output so far; prompt
-        # logprobs, read on the host as they are computed; structured outputs, whose next
-        # mask follows from the last token):
-        # while one runs, steps are applied before the next.
+        # Requests that need their steps in order (SequenceGroup.needs_sync_steps): while
+        # one runs, steps are applied before the next.
         self._sync_only: set[str] = set()
         # Called with each step's worker input just before it launches: a way to watch
         # steps, or to fail one as a model fault would (an observer that raises fails the
@@ -218,12 +215,7 @@ class EngineCore:
         seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids)
         group.seqs.append(seq)
         self._groups[request.request_id] = group
-        if (
-            group.beam is not None
-            or group.sampling.bad_words_token_ids
-            or group.sampling.prompt_logprobs is not None
-            or group.sampling.grammar is not None
-        ):
+        if group.needs_sync_steps:
             self._sync_only.add(request.request_id)
         self.scheduler.add(group)
 
@@ -299,13 +291,13 @@ class EngineCore:
         to this step on the device). Returns the outputs of requests that progressed."""
         outputs: list[EngineCoreOutput] = []
         lag = self._schedules_ahead and not self._sync_only
-        if self._in_flight is not None and not lag:  # a beam search or penalties came in
+        if self._in_flight is not None and not lag:  # a request that needs sync steps came in
             outputs += self._apply_step(*self._in_flight)
             self._in_flight = None
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled.output.is_empty:  # nothing to run; the worker still hears what ended
-            self.runner.input_batch.apply_changes(scheduled.output)
+            self.runner.apply_changes(scheduled.output)
         else:
             for observe in self.step_observers:
                 observe(scheduled.output)

@@ -149,6 +149,11 @@ class SequenceGroup:
     wants_prompt_logprobs: bool = field(init=False)
     # A beam search's structured-output grammar (None: unconstrained, or not a beam search).
     beam_grammar: str | None = field(init=False)
+    # Needs every token on the host before its next step is scheduled, so steps run in
+    # order while it runs (no async scheduling): beam search, which ranks on the host; bad
+    # words, matched against the output so far; prompt logprobs, read as they are computed;
+    # structured outputs, whose next mask follows from the last token.
+    needs_sync_steps: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_sequences = self.sampling_params.num_sequences
@@ -163,6 +168,9 @@ class SequenceGroup:
             isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         )
         self.beam_grammar = params.grammar if isinstance(params, BeamSearchParams) else None
+        self.needs_sync_steps = isinstance(params, BeamSearchParams) or bool(
+            params.bad_words_token_ids or params.prompt_logprobs is not None or params.grammar
+        )
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:

@@ -179,6 +179,11 @@ class ModelRunner:
         (steps that prefill), piecewise around attention (CUDA + triton only)."""
         self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, max_num_tokens, capture=True)
 
+    def apply_changes(self, output: SchedulerOutput) -> None:
+        """A step with nothing to run: the worker's rows still follow what the scheduler
+        changed (sequences that ended, new or changed tables)."""
+        self.input_batch.apply_changes(output)
+
     @torch.inference_mode()
     def execute_async(self, output: SchedulerOutput) -> StepFuture:
         """Launches one step; its results are read on the host when asked for (on CUDA the
