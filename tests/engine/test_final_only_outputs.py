@@ -20,14 +20,21 @@ def make_engine(model_dir, async_scheduling: bool) -> LLMEngine:
 
 
 def core_outputs(engine: LLMEngine, prompts, params: SamplingParams):
-    """Every EngineCoreOutput the core produced, step by step, until all requests end."""
+    """Every EngineCoreOutput the core produced, step by step, while `engine.step()` ran
+    until all requests ended."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     produced = []
+    core_step = engine.core.step
+
+    def recorded_step():
+        outputs = core_step()
+        produced.append(outputs.outputs)
+        return outputs
+
+    engine.core.step = recorded_step
     while engine.has_unfinished_requests():
-        step = engine.core.step().outputs
-        produced.append(step)
-        engine._process(step)
+        engine.step()
     return produced
 
 

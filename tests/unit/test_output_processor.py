@@ -9,7 +9,7 @@ import pytest
 from octavo.engine.core_messages import EngineCoreOutput, SampleAbort, SampleDelta
 from octavo.engine.frontend.output_processor import OutputProcessor
 from octavo.engine.frontend.outputs import RequestOutput
-from octavo.engine.frontend.tokenizer import Tokenizer
+from octavo.engine.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 from octavo.engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.checkpoints import tokenizer_json
 
@@ -157,20 +157,41 @@ def cut_short(tokenizer, kind, num_tokens: int) -> RequestOutput:
     return merged
 
 
+@pytest.fixture
+def decodes(monkeypatch) -> list[tuple[str, int]]:
+    """Every detokenizer step and flush from here on: (which, tokens it was given)."""
+    calls: list[tuple[str, int]] = []
+    for name in ("step", "flush"):
+        original = getattr(IncrementalDetokenizer, name)
+
+        def counted(self, output_token_ids, name=name, original=original):
+            calls.append((name, len(output_token_ids)))
+            return original(self, output_token_ids)
+
+        monkeypatch.setattr(IncrementalDetokenizer, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("num_tokens", [3, 9, 17, 24])
-def test_a_final_only_request_decodes_once_at_its_end_to_the_streamed_text(tokenizer, num_tokens):
+def test_a_final_only_request_decodes_once_at_its_end_to_the_streamed_text(
+    tokenizer, num_tokens, decodes
+):
     """FINAL_ONLY without stop strings skips the per-token detokenizer step; its text, ended
     by the core at any token (inside a multi-byte character too) or by a stop token, is the
     text the streamed request built."""
     ids = tokenizer.encode(TEXT)
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [1], SamplingParams(output_kind=FINAL), 0.0)
-    processor.process([EngineCoreOutput("r", [SampleDelta(0, ids[:num_tokens], None)])])
-    assert processor._requests["r"].samples[0].detokenizer.text == ""  # nothing decoded yet
-    whole, streamed = (
-        cut_short(tokenizer, FINAL, num_tokens),
-        cut_short(tokenizer, DELTA, num_tokens),
-    )
+    step = processor.process([EngineCoreOutput("r", [SampleDelta(0, ids[:num_tokens], None)])])
+    assert step.request_outputs == [] and decodes == []  # nothing decoded yet
+    processor.process([EngineCoreOutput("r", finished=True)])
+    assert decodes == [("step", num_tokens)]  # at its end, all its tokens at once
+    decodes.clear()
+    whole = cut_short(tokenizer, FINAL, num_tokens)  # a token a step: still one decode
+    assert decodes == [("step", num_tokens)]
+    decodes.clear()
+    streamed = cut_short(tokenizer, DELTA, num_tokens)  # a decode per token
+    assert decodes == [("step", n) for n in range(1, num_tokens + 1)]
     assert whole.outputs == streamed.outputs and whole.outputs[0].finish_reason == "abort"
     for include in (False, True):
         stop = {"stop_token_ids": [ids[num_tokens]], "include_stop_str_in_output": include}

@@ -100,6 +100,27 @@ def test_block_names_are_sha256_of_the_parent_name_and_tokens():
     free(bm, seq)
 
 
+def test_a_block_is_found_only_by_every_bit_of_its_tokens_in_order():
+    """What the names stand for, seen through lookups: each token's every bit (32-bit ids),
+    their order within the block, and the whole prefix before it."""
+    bm = BlockManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
+    seq = seq_of(0, TOKENS[:9])
+    compute(bm, seq, 9)  # blocks 1, 2 full and cached
+    looked_up = {
+        (TOKENS[1], TOKENS[0], *TOKENS[2:9]): [],  # the first block's tokens swapped
+        (TOKENS[0] + (1 << 16), *TOKENS[1:9]): [],  # a token that differs above 16 bits
+        (*TOKENS[:4], TOKENS[5], TOKENS[4], *TOKENS[6:9]): [1],  # the second's swapped
+        (*TOKENS[:7], TOKENS[7] + (1 << 24), TOKENS[8]): [1],
+        tuple(TOKENS[:9]): [1, 2],
+    }
+    for i, (tokens, hit) in enumerate(looked_up.items(), start=1):
+        other = seq_of(i, list(tokens))
+        assert bm.cached_prefix(other) == hit, tokens
+        free(bm, other)
+    free(bm, seq)
+    all_back(bm)
+
+
 def test_eviction_takes_never_cached_blocks_first_then_the_least_recently_released():
     bm = BlockManager(num_blocks=9, block_size=BLOCK, enable_prefix_caching=True)  # 8 usable
     a, b = seq_of(0, TOKENS[:8]), seq_of(1, [*range(200, 208)])
@@ -191,7 +212,15 @@ def test_the_same_content_computed_twice_is_cached_once():
     compute(bm, b, 8)
     assert bm.num_cached_blocks == 2
     free(bm, a, b)  # b's copies are plain free blocks again
-    assert bm.num_cached_blocks == 2 and len(bm._free_blocks) == 13
+    assert bm.num_cached_blocks == 2
+    # Never registered, b's blocks 3 and 4 are handed out before any cached block is
+    # evicted: all 13 plain free blocks go to a new sequence, and a's blocks stay cached.
+    other = seq_of(2, [*range(600, 652)])  # 13 full blocks
+    compute(bm, other, 52)
+    assert bm.get_block_table(other) == [3, 4, *range(5, 16)]
+    assert bm.num_free_blocks == 2 and bm.num_cached_blocks == 2 + 13
+    assert bm.cached_prefix(seq_of(3, [*TOKENS[:8], 9])) == [1, 2]
+    free(bm, other)
     all_back(bm)
 
 
@@ -209,5 +238,13 @@ def test_a_waiting_sequence_that_is_aborted_leaves_nothing():
     waiting = seq_of(0, TOKENS)
     assert bm.cached_prefix(waiting) == []  # looked up (names computed), never admitted
     bm.free(waiting)
-    assert bm._seq_names == {}
+    all_back(bm)
+    # Its block names went with it: once the same tokens are cached, a new sequence of the
+    # same id but other tokens finds nothing (the names of a sequence outliving it would
+    # find the old tokens' blocks).
+    computed = seq_of(1, TOKENS)
+    compute(bm, computed, 18)
+    other, same = seq_of(0, [*range(700, 718)]), seq_of(2, TOKENS)
+    assert bm.cached_prefix(other) == [] and bm.cached_prefix(same) == [1, 2, 3, 4]
+    free(bm, computed, other, same)
     all_back(bm)
