@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from octavo.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +136,16 @@ class EngineConfig:
                   "where it was measured faster, and off on CPU, where the forward leaves "
                   "nothing to overlap"},
     )  # fmt: skip
+    speculative_config: str | None = field(
+        default=None,
+        metadata={"help": "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+                  "\"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "
+                  "\"prompt_lookup_max\": b, \"disable_by_batch_size\": n}: each step "
+                  "a sequence proposes up to k tokens from its own prompt and output and "
+                  "the model verifies them at once. Greedy requests without penalties, "
+                  "min_tokens, bad words or structured outputs speculate; others run as "
+                  "usual. The offline LLM also takes a dict"},
+    )  # fmt: skip
     stream_interval: int = field(
         default=1,
         metadata={"help": "a stream's first token is sent at once, then one event per this "
@@ -182,6 +196,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
             )
+        if isinstance(self.speculative_config, Mapping):  # the offline LLM's dict
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # refused at start, by name
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
 
@@ -193,6 +211,13 @@ class EngineConfig:
         if self.device == "auto":
             return self.torch_device.type if torch_has_gpu_build() else "cpu"
         return self.device.partition(":")[0]
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config`, parsed (None: no speculation)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_device(self) -> torch.device:

@@ -131,6 +131,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hits: int  # of which were cached
     num_steps: int  # model forward passes run: generated tokens / steps is the batch's fill
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of which the model chose
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

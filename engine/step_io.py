@@ -66,7 +66,10 @@ class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
     one and the samples forked off it this step: an n > 1 prompt is computed once and sampled
     n times). `beam_top_k` > 0: the position feeds beam search, which needs this many best
     next tokens. `prompt_logprobs`: the positions of the chunk whose prompt-token
-    log-probabilities the request asked for.
+    log-probabilities the request asked for. `num_draft_tokens` > 0: the chunk's last
+    tokens are that many draft tokens (speculative decoding); the sequence is sampled at each
+    of its last num_draft_tokens + 1 positions, one row each, in order, and the core keeps
+    the tokens its drafts lead to.
 
     A msgspec Struct, never encoded: one is made for every sequence of every step, and its C
     constructor costs half a dataclass's.
@@ -79,6 +82,7 @@ class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
     sample_seq_ids: tuple[int, ...] = ()
     beam_top_k: int = 0
     prompt_logprobs: PromptLogprobsSpan | None = None
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -107,6 +111,7 @@ class SchedulerOutput:
     new_constrained_beams: dict[int, str] = field(default_factory=dict)
     beam_choices: list[BeamChoice] = field(default_factory=list)
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
+    num_draft_tokens: int = 0  # of all sequences: none, and every sequence samples once
 
     @property
     def is_empty(self) -> bool:

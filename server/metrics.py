@@ -42,6 +42,16 @@ class EngineStatsCollector(Collector):
             "prefix_cache_hits", "Tokens found in the prefix cache.", stats.num_prefix_cache_hits
         )
         yield _counter("engine_steps", "Engine steps run (model forward passes).", stats.num_steps)
+        yield _counter(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens verified (speculative decoding).",
+            stats.num_draft_tokens,
+        )
+        yield _counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens the model chose.",
+            stats.num_accepted_tokens,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

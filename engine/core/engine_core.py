@@ -31,6 +31,7 @@ from octavo.engine.core_messages import (
 )
 from octavo.engine.errors import ParameterError
 from octavo.engine.sampling_params import BeamSearchParams
+from octavo.engine.speculative import SpeculativeConfig, can_speculate, propose_ngram
 from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.stop_rules import length_limit
 from octavo.engine.worker.attention.backend import AttentionBackend
@@ -69,6 +70,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self._speculative = config.speculative
         self.device = config.torch_device
         dtype = config.torch_dtype
         if self.device.type == "cpu" and dtype == torch.bfloat16 and not cpu_computes_bfloat16():
@@ -200,6 +202,7 @@ class EngineCore:
         params = request.params
         num_prompt_tokens = len(request.prompt_token_ids)
         max_num_tokens = length_limit(num_prompt_tokens, params.max_tokens, self.max_model_len)
+        spec = self._speculative
         group = SequenceGroup(
             request.request_id,
             request.prompt_token_ids,
@@ -207,6 +210,9 @@ class EngineCore:
             request.arrival_time,
             frozenset(request.all_stop_token_ids),
             max_num_tokens,
+            num_speculative_tokens=(
+                spec.num_speculative_tokens if spec and can_speculate(params) else 0
+            ),
         )
         if isinstance(params, BeamSearchParams):
             group.beam = BeamState.create(
@@ -309,7 +315,31 @@ class EngineCore:
         if self._in_flight is not None and not lag:
             outputs += self._apply_step(*self._in_flight)
             self._in_flight = None
+        if self._speculative is not None:
+            self._propose_drafts(self._speculative)
         return EngineCoreOutputs(outputs, self.stats())
+
+    def _propose_drafts(self, spec: SpeculativeConfig) -> None:
+        """Gives each speculating sequence that has just sampled a draft for the next step
+        (prompt lookup), unless more sequences run than `disable_by_batch_size`. A draft
+        stops short of the request's length limit: tokens past it would not be kept."""
+        scheduler = self.scheduler
+        limit = spec.disable_by_batch_size
+        if limit is not None and scheduler.num_running_seqs > limit:
+            return
+        for group in scheduler.running:
+            k = group.num_speculative_tokens
+            if not k:
+                continue
+            seq = group.seqs[0]
+            tokens = seq.token_ids
+            if seq.is_finished or seq.num_computed_tokens != len(tokens) - 1:
+                continue  # still prefilling, or ended
+            k = min(k, group.max_num_tokens - len(tokens) - 1)
+            if k > 0:
+                seq.spec_token_ids = propose_ngram(
+                    tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+                )
 
     def _apply_step(self, scheduled: ScheduledStep, launched: StepFuture) -> list[EngineCoreOutput]:
         """Applies a step's results; the outputs of the requests that progressed or ended."""
@@ -334,4 +364,6 @@ class EngineCore:
             num_prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             num_prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
             num_steps=self._num_steps,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_tokens=self.scheduler.num_accepted_tokens,
         )

@@ -70,6 +70,7 @@ class _StepBuilder:
         self.prefills: list[ScheduledSequence] = []
         self.decode_entries: list[CoreEntry] = []
         self.prefill_entries: list[CoreEntry] = []
+        self.num_draft_tokens = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class Scheduler:
         self._new_constrained_beams: dict[int, str] = {}
         self._beam_choices: list[BeamChoice] = []
         self._num_prompt_logprobs_spans = 0  # in the step being scheduled
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified
+        self.num_accepted_tokens = 0  # of which the model chose
         self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_cache_hits = 0  # of which were found
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
@@ -239,6 +242,7 @@ class Scheduler:
             new_constrained_beams=self._new_constrained_beams,
             beam_choices=self._beam_choices,
             has_prompt_logprobs=self._num_prompt_logprobs_spans > 0,
+            num_draft_tokens=step.num_draft_tokens,
         )
         self._new_sampled, self._finished_seq_ids = [], []
         self._new_constrained_beams, self._beam_choices = {}, []
@@ -319,7 +323,12 @@ class Scheduler:
             cached = self._sample_rows.get(seq.seq_id)
             start = seq.num_computed_tokens
             known = len(seq.token_ids) + seq.num_pending_tokens
-            if cached is not None and known - start == 1 and known < group.max_num_tokens:
+            if (
+                cached is not None
+                and known - start == 1
+                and known < group.max_num_tokens
+                and not seq.spec_token_ids
+            ):
                 if not self.block_manager.allocate_slots(seq, 1):
                     return None
                 seq.num_computed_tokens = start + 1
@@ -343,9 +352,13 @@ class Scheduler:
                 known = len(seq.token_ids) + pending
                 if pending and known >= group.max_num_tokens:
                     continue
-                num_new = known - seq.num_computed_tokens
+                drafts = seq.spec_token_ids
+                if drafts and seq.num_computed_tokens != known - 1:
+                    drafts.clear()  # recomputed after a preemption: no draft this step
+                num_new = known + len(drafts) - seq.num_computed_tokens
                 if num_new > budget:
                     num_new = budget
+                    del drafts[max(num_new - 1, 0) :]  # the budget cuts the draft first
                 if num_new == 0:
                     break
                 plan.append((seq, num_new))
@@ -363,6 +376,11 @@ class Scheduler:
             scheduled += num_new
             beam_top_k = 0
             shares_prompt = False
+            input_token_ids = seq.token_ids[start:end]
+            num_drafts = len(seq.spec_token_ids)
+            if num_drafts:  # a sampled sequence's last token, then its draft
+                input_token_ids += seq.spec_token_ids
+                step.num_draft_tokens += num_drafts
             row: ScheduleRow
             if end < len(seq.token_ids) + seq.num_pending_tokens:
                 # A chunk short of the sequence's end: nothing is sampled from it.
@@ -393,9 +411,10 @@ class Scheduler:
                 else None
             )
             item = ScheduledSequence(
-                seq.seq_id, start, num_new, seq.token_ids[start:end], sample_ids, beam_top_k, span
-            )
-            if num_new == 1:
+                seq.seq_id, start, num_new, input_token_ids, sample_ids, beam_top_k, span,
+                num_drafts,
+            )  # fmt: skip
+            if num_new == 1 or num_drafts:  # a draft is verified as decodes (input_batch)
                 step.decodes.append(item)
                 step.decode_entries.append(entry)
             else:
@@ -542,6 +561,9 @@ class Scheduler:
             for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:
                     raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
+                if seq.spec_token_ids:
+                    row = self._update_drafted(group, seq, row, result, update, now)
+                    continue
                 token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
                 row += 1
                 seq.num_pending_tokens -= 1
@@ -607,6 +629,76 @@ class Scheduler:
                 outputs.append(final_output(group, deltas))
             else:
                 outputs.append(progress_output(group, deltas, first))
+
+    def _update_drafted(
+        self, group: SequenceGroup, seq: Sequence, row: int, result: ModelRunnerOutput,
+        update: SchedulerUpdate, now: float,
+    ) -> int:  # fmt: skip
+        """The rows of a sequence that computed its draft (speculative decoding): row i is
+        the model's token after the draft's first i tokens. The sequence keeps the rows'
+        tokens up to the first whose draft token the model did not choose, that row's own
+        token included (the first row's always: a step gains at least one token), stopping
+        at a stop rule; the cache keeps the positions of the kept inputs. Returns the row
+        after them."""
+        sampled = result.sampled
+        drafts = seq.spec_token_ids
+        seq.spec_token_ids = []
+        count = len(drafts) + 1
+        if result.sampled_seq_ids[row : row + count] != [seq.seq_id] * count:
+            raise AssertionError(f"rows {row}..{row + count - 1} are not sequence {seq.seq_id}")
+        seq.num_pending_tokens -= 1
+        if seq.is_finished:
+            return row + count
+        chosen = sampled.token_ids[row : row + count]
+        accepted = 0
+        while accepted < len(drafts) and chosen[accepted] == drafts[accepted]:
+            accepted += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        first = group.first_token_time is None
+        if first:
+            group.first_token_time = now
+        new_token_ids: list[int] = []
+        tops: list[dict[int, float]] = []
+        finish_reason = None
+        try:
+            for r in range(row, row + accepted + 1):
+                token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
+                seq.token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                top = sampled.top_logprobs[r]
+                if top is not None:
+                    tops.append(top)
+                if logprob is not None:
+                    seq.cumulative_logprob += logprob
+                if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
+                    decision = self.stop_checker.check(seq, group, False)
+                    if decision is not None:
+                        self._stop(seq, decision.finish_reason, decision.stop_reason)
+                        finish_reason = decision.finish_reason
+                        break
+        except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+            self.fail(group, exc)
+            update.finished.append(group)
+            update.outputs.append(final_output(group, []))
+            return row + count
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # its last token's K/V: next step
+        self.num_generation_tokens += len(new_token_ids) - count  # update counts every row
+        if group.final_only:
+            if finish_reason is None:
+                return row + count
+            new_token_ids = seq.output_token_ids
+        has_logprobs = sampled.logprobs[row] is not None
+        delta = SampleDelta(
+            seq.index, new_token_ids, seq.cumulative_logprob if has_logprobs else None,
+            tops or None, finish_reason, seq.stop_reason,
+        )  # fmt: skip
+        if finish_reason is not None:
+            update.finished.append(group)
+            update.outputs.append(final_output(group, [delta]))
+        else:
+            update.outputs.append(progress_output(group, [delta], first))
+        return row + count
 
     def _update_beams(
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float

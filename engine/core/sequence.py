@@ -62,6 +62,9 @@ class Sequence:
     is_finished: bool = field(default=False, init=False)
     cumulative_logprob: float = 0.0
     stop_reason: int | None = None  # the stop token id that finished the sequence
+    # Draft tokens proposed to follow `token_ids` (speculative decoding), verified by the
+    # next step that schedules them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -138,6 +141,8 @@ class SequenceGroup:
     prompt_logprobs_next: int = 0
     # Prompt tokens found in the prefix cache at first admission (None: not admitted yet).
     num_cached_tokens: int | None = None
+    # Draft tokens it may speculate a step (0: none; see engine/speculative.py).
+    num_speculative_tokens: int = 0
     # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
     # reads it for every running request of every step.
     num_sequences: int = field(init=False)
@@ -152,7 +157,8 @@ class SequenceGroup:
     # Needs every token on the host before its next step is scheduled, so steps run in
     # order while it runs (no async scheduling): beam search, which ranks on the host; bad
     # words, matched against the output so far; prompt logprobs, read as they are computed;
-    # structured outputs, whose next mask follows from the last token.
+    # structured outputs, whose next mask follows from the last token; speculation, whose
+    # next draft follows from it.
     needs_sync_steps: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -169,7 +175,10 @@ class SequenceGroup:
         )
         self.beam_grammar = params.grammar if isinstance(params, BeamSearchParams) else None
         self.needs_sync_steps = isinstance(params, BeamSearchParams) or bool(
-            params.bad_words_token_ids or params.prompt_logprobs is not None or params.grammar
+            self.num_speculative_tokens
+            or params.bad_words_token_ids
+            or params.prompt_logprobs is not None
+            or params.grammar
         )
 
     @property

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from octavo.engine.step_io import GrammarProgress, SchedulerOutput
+from octavo.engine.step_io import GrammarProgress, ScheduledSequence, SchedulerOutput
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.penalties import PenaltyCounts
 from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
@@ -216,6 +216,8 @@ class InputBatch:
         """
         self.apply_changes(output)
         scheduled = output.scheduled
+        if output.num_draft_tokens:
+            scheduled = self._verified_positions(scheduled)
         table, row_of = self.block_table, self._row_of
         num_seqs = len(scheduled)
         rows = np.array([row_of[item.seq_id] for item in scheduled], dtype=np.int64)
@@ -289,6 +291,25 @@ class InputBatch:
             pending_seq_ids=[scheduled[k].seq_id for k in pending_rows.tolist()],
             prompt_logprobs=self._prompt_logprobs(output, cu_seqlens_q),
         )
+
+    @staticmethod
+    def _verified_positions(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The step with each sequence that carries a draft replaced by one decode per
+        position it computes (its last token, then each draft token), each sampled: the
+        verification runs the decode path, token for token what decoding without a draft
+        would compute at those positions."""
+        expanded = []
+        for item in scheduled:
+            if not item.num_draft_tokens:
+                expanded.append(item)
+                continue
+            for offset, token in enumerate(item.input_token_ids):
+                expanded.append(
+                    ScheduledSequence(
+                        item.seq_id, item.start + offset, 1, [token], item.sample_seq_ids
+                    )
+                )
+        return expanded
 
     @staticmethod
     def _prompt_logprobs(

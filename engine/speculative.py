@@ -1,0 +1,122 @@
+"""Speculative decoding's settings (vLLM's `speculative_config`) and its n-gram proposer.
+
+Prompt lookup ("ngram"): the draft of a sequence is what followed the latest earlier
+occurrence of its last few tokens in its own prompt and output. Quoting, summarizing and
+editing repeat their input, and a draft of k tokens costs about one decode step to verify
+where a step is bound by reading the weights (a CPU at batch 1) or by launches (a GPU at a
+small batch): the target model computes the k + 1 positions at once and every draft token
+it agrees with is a step saved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+# vLLM's prompt lookup window when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`num_speculative_tokens` draft tokens a step from prompt lookup over windows of
+    `prompt_lookup_min` to `prompt_lookup_max` tokens (one bound given: both; none: 5), for
+    no running batch larger than `disable_by_batch_size` (None: any), where speculation only
+    adds work."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """From vLLM's JSON (or its dict); a ValueError names the field that is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not JSON ({exc})") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("speculative_config: a JSON object is expected")
+        fields = dict(value)
+        if "model" in fields:
+            raise ValueError(
+                "speculative_config.model: draft models are not supported; "
+                'use {"method": "ngram", ...}'
+            )
+        known = {
+            "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+            "disable_by_batch_size",
+        }  # fmt: skip
+        for key in fields:
+            if key not in known:
+                raise ValueError(f"speculative_config: unknown field {key!r}")
+        method = fields.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+        k = _integer(fields, "num_speculative_tokens", required=True)
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k}"
+            )
+        low = _integer(fields, "prompt_lookup_min")
+        high = _integer(fields, "prompt_lookup_max")
+        low = low if low is not None else high if high is not None else DEFAULT_PROMPT_LOOKUP
+        high = high if high is not None else low
+        if not 1 <= low <= high:
+            raise ValueError(
+                "speculative_config: prompt_lookup_min must be >= 1 and <= prompt_lookup_max, "
+                f"got {low} and {high}"
+            )
+        limit = _integer(fields, "disable_by_batch_size")
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {limit}")
+        return cls(method, k, low, high, limit)
+
+
+def can_speculate(params: SamplingParams | BeamSearchParams) -> bool:
+    """Whether a request's tokens come out the same with speculation: one greedy sample
+    whose logits at a draft position depend on nothing but the tokens before it (no
+    penalties, min_tokens, bad words or grammar, which follow the output so far, row by
+    row). The others run unspeculated; beam search always does."""
+    return (
+        isinstance(params, SamplingParams)
+        and params.greedy
+        and params.num_sequences == 1
+        and not params.has_penalties
+        and params.min_tokens == 0
+        and not params.bad_words_token_ids
+        and params.grammar is None
+    )
+
+
+def _integer(fields: Mapping[str, Any], key: str, required: bool = False) -> Any:
+    value = fields.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"speculative_config.{key} must be an integer, got {value!r}")
+    return value
+
+
+def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to `k` tokens: those that followed the latest earlier occurrence of the longest
+    suffix of `tokens` of `min_n` to `max_n` tokens (none when no such suffix recurs)."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = tokens[length - n :]
+        last = pattern[-1]
+        # Candidate ends, latest first: positions before the suffix's own end.
+        for end in range(length - 2, n - 2, -1):
+            if tokens[end] == last and tokens[end - n + 1 : end + 1] == pattern:
+                return tokens[end + 1 : end + 1 + k]
+    return []

@@ -1,0 +1,129 @@
+"""Speculative decoding (n-gram prompt lookup): greedy tokens are HF's, token for token,
+through chunked prefill, preemption, prefix hits, stops inside an accepted draft and async
+scheduling; logprobs are the unspeculated engine's; requests that cannot speculate run as
+without it."""
+
+import pytest
+
+from octavo.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.checkpoints import sample_prompts
+from tests.engine.helpers import hf_greedy, run_to_completion
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_tiny):
+    """Prompts that quote themselves (a passage, then its first half again), as documents
+    asked about do: there is something to look up."""
+    passages = sample_prompts(12, 8, 80, hf_tiny.config.vocab_size, seed=3)
+    return [p + p[: len(p) // 2] for p in passages]
+
+
+@pytest.fixture(scope="module")
+def expected(hf_tiny, prompts):
+    return [hf_greedy(hf_tiny, p, MAX_TOKENS) for p in prompts]
+
+
+def engine_for(model_dir, speculative: dict | None = NGRAM, **overrides) -> LLMEngine:
+    config = {
+        "model": model_dir, "device": "cpu", "dtype": "float32", "num_blocks": 512,
+        "block_size": 16, "async_scheduling": False, "speculative_config": speculative,
+    } | overrides  # fmt: skip
+    return LLMEngine(EngineConfig(**config))
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"async_scheduling": True},  # speculating requests run their steps in order
+        {"max_num_batched_tokens": 8, "block_size": 4},  # chunked prefill; drafts cut
+        # Preemption by recompute: the longest request (about 150 tokens, 19 blocks) fits
+        # alone, all 12 do not.
+        {"num_blocks": 34, "block_size": 8, "max_model_len": 192},
+    ],
+    ids=["plain", "async_scheduling", "chunked_prefill", "preemption"],
+)
+def test_greedy_tokens_are_hfs_and_drafts_are_accepted(
+    tiny_model_dir, prompts, expected, overrides
+):
+    engine = engine_for(tiny_model_dir, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    assert tokens_of(run_to_completion(engine, prompts, params)) == expected
+    stats = engine.stats()
+    # Speculation really ran and saved steps: some drafts were accepted, not all.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_generation_tokens == sum(len(e) for e in expected)
+    if "num_blocks" in overrides:
+        assert stats.num_preemptions > 0
+
+
+def test_prefix_hits_and_a_second_round_keep_the_tokens(tiny_model_dir, prompts, expected):
+    engine = engine_for(tiny_model_dir)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    run_to_completion(engine, prompts, params)
+    again = run_to_completion(engine, prompts, params)
+    assert engine.stats().num_prefix_cache_hits > 0
+    assert tokens_of(again) == expected
+
+
+def test_a_stop_inside_an_accepted_draft_ends_the_sequence_there(eos_model_dir, hf_eos):
+    """EOS and max_tokens fall inside runs of accepted draft tokens: nothing past them is
+    kept or counted."""
+    passages = sample_prompts(12, 8, 60, hf_eos.config.vocab_size, seed=5)
+    prompts = [p + p[: len(p) // 2] for p in passages]
+    lengths = [3 + i % 7 for i in range(len(prompts))]
+    engine = engine_for(eos_model_dir)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    outputs = run_to_completion(engine, prompts, params)
+    for prompt, n, output in zip(prompts, lengths, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf_eos, prompt, n)
+    assert {o.outputs[0].finish_reason for o in outputs} == {"stop", "length"}
+    assert engine.stats().num_generation_tokens == sum(len(t) for t in tokens_of(outputs))
+
+
+def test_logprobs_are_the_unspeculated_engines(tiny_model_dir, prompts):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
+    plain = run_to_completion(engine_for(tiny_model_dir, None), prompts, params)
+    speculated = run_to_completion(engine_for(tiny_model_dir), prompts, params)
+    for a, b in zip(plain, speculated, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob)
+        for top_a, top_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert top_a.keys() == top_b.keys()
+            for token in top_a:
+                assert top_b[token] == pytest.approx(top_a[token], abs=1e-5)
+
+
+def test_requests_that_cannot_speculate_run_as_without_it(tiny_model_dir, prompts):
+    """Seeded sampling and penalties: the same tokens as an engine without speculation,
+    and no draft verified for them."""
+    params = [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=MAX_TOKENS),
+    ] * 3
+    chosen = prompts[: len(params)]
+    plain = run_to_completion(engine_for(tiny_model_dir, None), chosen, params)
+    engine = engine_for(tiny_model_dir)
+    assert tokens_of(run_to_completion(engine, chosen, params)) == tokens_of(plain)
+    assert engine.stats().num_draft_tokens == 0
+
+
+def test_no_draft_above_disable_by_batch_size(tiny_model_dir, prompts, expected):
+    """Requests of staggered lengths: the batch shrinks as they end, and only the last ones,
+    running 4 or fewer at a time, speculate."""
+    lengths = [4 + 2 * i for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    limited = engine_for(tiny_model_dir, NGRAM | {"disable_by_batch_size": 4})
+    outputs = run_to_completion(limited, prompts, params)
+    assert tokens_of(outputs) == [e[:n] for e, n in zip(expected, lengths, strict=True)]
+    always = engine_for(tiny_model_dir)
+    run_to_completion(always, prompts, params)
+    assert 0 < limited.stats().num_draft_tokens < always.stats().num_draft_tokens
