@@ -84,13 +84,18 @@ class SpeculativeConfig:
 
 
 def can_speculate(params: SamplingParams | BeamSearchParams) -> bool:
-    """Whether a request's tokens come out the same with speculation: one greedy sample
+    """Whether a request's tokens keep their distribution with speculation: one sample
     whose logits at a draft position depend on nothing but the tokens before it (no
     penalties, min_tokens, bad words or grammar, which follow the output so far, row by
-    row). The others run unspeculated; beam search always does."""
+    row). The others run unspeculated; beam search always does.
+
+    Each verified position is sampled as usual, and the run is kept up to the first sampled
+    token that is not the draft's, that one included. For a draft of fixed tokens (prompt
+    lookup) this is rejection sampling exactly: a draft token d is kept with probability
+    p(d) = min(1, p(d) / q(d)) where q(d) = 1, and the token kept instead is drawn from p
+    with d removed, the normalized residual max(0, p - q). Greedy output is unchanged."""
     return (
         isinstance(params, SamplingParams)
-        and params.greedy
         and params.num_sequences == 1
         and not params.has_penalties
         and params.min_tokens == 0

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup): greedy tokens are HF's, token for token,
 through chunked prefill, preemption, prefix hits, stops inside an accepted draft and async
-scheduling; logprobs are the unspeculated engine's; requests that cannot speculate run as
-without it."""
+scheduling; logprobs are the unspeculated engine's; seeded sampling repeats itself; requests
+that cannot speculate run as without it."""
 
 import pytest
 
@@ -103,17 +103,31 @@ def test_logprobs_are_the_unspeculated_engines(tiny_model_dir, prompts):
 
 
 def test_requests_that_cannot_speculate_run_as_without_it(tiny_model_dir, prompts):
-    """Seeded sampling and penalties: the same tokens as an engine without speculation,
+    """Several samples and penalties: the same tokens as an engine without speculation,
     and no draft verified for them."""
     params = [
-        SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=MAX_TOKENS),
         SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=MAX_TOKENS),
     ] * 3
     chosen = prompts[: len(params)]
     plain = run_to_completion(engine_for(tiny_model_dir, None), chosen, params)
     engine = engine_for(tiny_model_dir)
-    assert tokens_of(run_to_completion(engine, chosen, params)) == tokens_of(plain)
+    speculated = run_to_completion(engine, chosen, params)
+    for a, b in zip(plain, speculated, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert engine.stats().num_draft_tokens == 0
+
+
+def test_seeded_sampling_speculates_and_repeats_itself(tiny_model_dir, prompts):
+    """A sampled request speculates (its distribution is kept: test_speculative_sampling.py)
+    and, seeded, gives the same tokens run after run."""
+    params = [SamplingParams(temperature=0.3, seed=i, max_tokens=MAX_TOKENS) for i in range(12)]
+    runs = []
+    for _ in range(2):
+        engine = engine_for(tiny_model_dir)
+        runs.append(tokens_of(run_to_completion(engine, prompts, params)))
+        assert engine.stats().num_draft_tokens > 0
+    assert runs[0] == runs[1]
 
 
 def test_no_draft_above_disable_by_batch_size(tiny_model_dir, prompts, expected):
