@@ -133,6 +133,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_steps: int  # model forward passes run: generated tokens / steps is the batch's fill
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_accepted_tokens: int = 0  # of which the model chose
+    num_accepted_tokens_per_pos: list[int] = []  # of those, by position in the draft
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

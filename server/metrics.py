@@ -52,6 +52,14 @@ class EngineStatsCollector(Collector):
             "Draft tokens the model chose.",
             stats.num_accepted_tokens,
         )
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens the model chose, by position in the draft (0: the first).",
+            labels=["position"],
+        )
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -366,4 +366,5 @@ class EngineCore:
             num_steps=self._num_steps,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(self.scheduler.num_accepted_tokens_per_pos),
         )

@@ -127,6 +127,8 @@ class Scheduler:
         self._num_prompt_logprobs_spans = 0  # in the step being scheduled
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified
         self.num_accepted_tokens = 0  # of which the model chose
+        # Per draft position (0: the first draft token), how often the model chose it.
+        self.num_accepted_tokens_per_pos: list[int] = []
         self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_cache_hits = 0  # of which were found
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
@@ -655,6 +657,11 @@ class Scheduler:
             accepted += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < accepted:
+            per_pos += [0] * (accepted - len(per_pos))
+        for position in range(accepted):
+            per_pos[position] += 1
         first = group.first_token_time is None
         if first:
             group.first_token_time = now

@@ -60,6 +60,9 @@ def test_greedy_tokens_are_hfs_and_drafts_are_accepted(
     stats = engine.stats()
     # Speculation really ran and saved steps: some drafts were accepted, not all.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # By position: a draft token is kept only after every one before it.
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
     assert stats.num_generation_tokens == sum(len(e) for e in expected)
     if "num_blocks" in overrides:
         assert stats.num_preemptions > 0

@@ -92,3 +92,10 @@ def test_drafts_are_verified_and_counted(speculative):
         for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     }
     assert 0 < counts["spec_decode_num_accepted_tokens"] <= counts["spec_decode_num_draft_tokens"]
+    first = re.search(
+        r'^octavo:spec_decode_num_accepted_tokens_per_pos_total\{position="0"\} (\S+)$',
+        metrics, re.MULTILINE,
+    )  # fmt: skip
+    assert (
+        first is not None and 0 < float(first.group(1)) <= counts["spec_decode_num_accepted_tokens"]
+    )
