@@ -322,6 +322,8 @@ class BlockManager:
             assert block not in evictable or name is not None, f"unregistered {block} evictable"
         assert self.enable_prefix_caching or not self._cached_blocks, "cached while disabled"
         for seq_id, end in self._writable_end.items():
+            if end == 0:
+                continue
             table = self.block_tables[seq_id]
             assert end <= len(table) * self.block_size, f"sequence {seq_id} writes past its table"
             last = table[(end - 1) // self.block_size]

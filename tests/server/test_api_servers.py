@@ -257,8 +257,13 @@ def test_a_killed_core_ends_the_streams_of_both_processes_and_the_server_fails(
             assert not reader.is_alive()
         status = server.process.wait(timeout=STREAM_TIMEOUT_S)
     assert status == 1, Path(server.log_path).read_text()
+    # A stream may have finished before the kill, when starting the others took long (a
+    # busy machine): it ends as usual. Every stream the kill cut ends with the error.
+    cut = [r for r in readers if sum(f is not None for f in r.finish_reasons()) < STREAM_CHOICES]
+    assert cut
     for reader in readers:
         assert reader.lines[-1] == "data: [DONE]"
+    for reader in cut:
         assert reader.lines[-2].startswith('data: {"error"'), reader.lines[-2]
     assert not any(Path(f"/proc/{pid}").exists() for pid in api)
 
