@@ -142,10 +142,10 @@ class EngineConfig:
                   "\"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "
                   "\"prompt_lookup_max\": b, \"disable_by_batch_size\": n}: each step "
                   "a sequence proposes up to k tokens from its own prompt and output and "
-                  "the model verifies them at once. Requests of one sample without "
-                  "penalties, min_tokens, bad words or structured outputs speculate (greedy "
-                  "output unchanged, sampled output in the same distribution); others run "
-                  "as usual. The offline LLM also takes a dict"},
+                  "the model verifies them at once. Requests without penalties, "
+                  "min_tokens, bad words or structured outputs speculate (greedy output "
+                  "unchanged, sampled output in the same distribution); others run as "
+                  "usual. The offline LLM also takes a dict"},
     )  # fmt: skip
     stream_interval: int = field(
         default=1,

@@ -84,10 +84,10 @@ class SpeculativeConfig:
 
 
 def can_speculate(params: SamplingParams | BeamSearchParams) -> bool:
-    """Whether a request's tokens keep their distribution with speculation: one sample
-    whose logits at a draft position depend on nothing but the tokens before it (no
-    penalties, min_tokens, bad words or grammar, which follow the output so far, row by
-    row). The others run unspeculated; beam search always does.
+    """Whether a request's tokens keep their distribution with speculation: samples whose
+    logits at a draft position depend on nothing but the tokens before it (no penalties,
+    min_tokens, bad words or grammar, which follow the output so far, row by row). The
+    others run unspeculated; beam search always does.
 
     Each verified position is sampled as usual, and the run is kept up to the first sampled
     token that is not the draft's, that one included. For a draft of fixed tokens (prompt
@@ -96,7 +96,6 @@ def can_speculate(params: SamplingParams | BeamSearchParams) -> bool:
     with d removed, the normalized residual max(0, p - q). Greedy output is unchanged."""
     return (
         isinstance(params, SamplingParams)
-        and params.num_sequences == 1
         and not params.has_penalties
         and params.min_tokens == 0
         and not params.bad_words_token_ids

@@ -328,18 +328,17 @@ class EngineCore:
         if limit is not None and scheduler.num_running_seqs > limit:
             return
         for group in scheduler.running:
-            k = group.num_speculative_tokens
-            if not k:
+            if not group.num_speculative_tokens:
                 continue
-            seq = group.seqs[0]
-            tokens = seq.token_ids
-            if seq.is_finished or seq.num_computed_tokens != len(tokens) - 1:
-                continue  # still prefilling, or ended
-            k = min(k, group.max_num_tokens - len(tokens) - 1)
-            if k > 0:
-                seq.spec_token_ids = propose_ngram(
-                    tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max
-                )
+            for seq in group.seqs:
+                tokens = seq.token_ids
+                if seq.is_finished or seq.num_computed_tokens != len(tokens) - 1:
+                    continue  # still prefilling, or ended
+                k = min(group.num_speculative_tokens, group.max_num_tokens - len(tokens) - 1)
+                if k > 0:
+                    seq.spec_token_ids = propose_ngram(
+                        tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+                    )
 
     def _apply_step(self, scheduled: ScheduledStep, launched: StepFuture) -> list[EngineCoreOutput]:
         """Applies a step's results; the outputs of the requests that progressed or ended."""

@@ -545,7 +545,8 @@ class Scheduler:
 
         Rows come in the order of the step's scheduled sequences and their samples; each row
         names its sequence and a row that names another is a broken contract
-        (AssertionError). One loop does everything per row: this runs for every token of
+        (AssertionError). A sequence that computed a draft has a row per draft position
+        (`_keep_drafted`). One loop does everything per row: this runs for every token of
         every request."""
         seq_ids, sampled = result.sampled_seq_ids, result.sampled
         token_ids, logprobs, top_logprobs = (
@@ -557,44 +558,53 @@ class Scheduler:
         # Groups with several samples gather their deltas here (first: their first tokens).
         gathered: dict[int, tuple[SequenceGroup, list[SampleDelta], bool]] = {}
         row = 0
+        num_tokens = len(seq_ids)  # tokens kept: rows, less the drafts' rows not kept
         for group, _, sample_seqs in step.entries:
             if not sample_seqs:
                 continue
             for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:
                     raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
-                if seq.spec_token_ids:
-                    row = self._update_drafted(group, seq, row, result, update, now)
-                    continue
+                drafts = seq.spec_token_ids
                 token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
-                row += 1
+                first_row = row
+                row += 1 + len(drafts)
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # a token sampled past a stop, an abort or a failure
+                    seq.spec_token_ids = []
                     continue
                 first = group.first_token_time is None
                 if first:
                     group.first_token_time = now
                 try:
-                    tokens = seq.token_ids
-                    tokens.append(token_id)
-                    if grammar_failed and seq.seq_id in grammar_failed:
-                        raise ValueError(
-                            f"structured outputs: no token the grammar allows was left "
-                            f"(token {token_id}: {grammar_failed[seq.seq_id]})"
+                    if drafts:
+                        new_token_ids, tops, finish_reason = self._keep_drafted(
+                            group, seq, first_row, result
                         )
-                    if logprob is not None:
-                        seq.cumulative_logprob += logprob
-                    finish_reason = None
-                    ended = bool(grammar_ended) and seq.seq_id in grammar_ended
-                    if (
-                        ended
-                        or token_id in group.stop_token_ids
-                        or len(tokens) >= group.max_num_tokens
-                    ):
-                        decision = check_stop(seq, group, ended)
-                        if decision is not None:
-                            self._stop(seq, decision.finish_reason, decision.stop_reason)
-                            finish_reason = decision.finish_reason
+                        num_tokens += len(new_token_ids) - 1 - len(drafts)
+                    else:
+                        tokens = seq.token_ids
+                        tokens.append(token_id)
+                        if grammar_failed and seq.seq_id in grammar_failed:
+                            raise ValueError(
+                                f"structured outputs: no token the grammar allows was left "
+                                f"(token {token_id}: {grammar_failed[seq.seq_id]})"
+                            )
+                        if logprob is not None:
+                            seq.cumulative_logprob += logprob
+                        finish_reason = None
+                        ended = bool(grammar_ended) and seq.seq_id in grammar_ended
+                        if (
+                            ended
+                            or token_id in group.stop_token_ids
+                            or len(tokens) >= group.max_num_tokens
+                        ):
+                            decision = check_stop(seq, group, ended)
+                            if decision is not None:
+                                self._stop(seq, decision.finish_reason, decision.stop_reason)
+                                finish_reason = decision.finish_reason
+                        new_token_ids = [token_id]
+                        tops = None if top is None else [top]
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                     self.fail(group, exc)
                     finished.append(group)
@@ -605,11 +615,9 @@ class Scheduler:
                     if finish_reason is None:
                         continue
                     new_token_ids = seq.output_token_ids
-                else:
-                    new_token_ids = [token_id]
                 delta = SampleDelta(
                     seq.index, new_token_ids, None if logprob is None else seq.cumulative_logprob,
-                    None if top is None else [top], finish_reason, seq.stop_reason,
+                    tops, finish_reason, seq.stop_reason,
                 )  # fmt: skip
                 if len(group.seqs) == 1:  # one sample: its output is complete
                     if finish_reason is not None:
@@ -624,7 +632,7 @@ class Scheduler:
                 entry[1].append(delta)
         if row != len(seq_ids):
             raise AssertionError(f"{len(seq_ids)} rows for {row} sampled sequences")
-        self.num_generation_tokens += len(seq_ids)
+        self.num_generation_tokens += num_tokens
         for group, deltas, first in gathered.values():
             if group.is_finished:
                 finished.append(group)
@@ -632,25 +640,22 @@ class Scheduler:
             else:
                 outputs.append(progress_output(group, deltas, first))
 
-    def _update_drafted(
-        self, group: SequenceGroup, seq: Sequence, row: int, result: ModelRunnerOutput,
-        update: SchedulerUpdate, now: float,
-    ) -> int:  # fmt: skip
-        """The rows of a sequence that computed its draft (speculative decoding): row i is
-        the model's token after the draft's first i tokens. The sequence keeps the rows'
-        tokens up to the first whose draft token the model did not choose, that row's own
-        token included (the first row's always: a step gains at least one token), stopping
-        at a stop rule; the cache keeps the positions of the kept inputs. Returns the row
-        after them."""
+    def _keep_drafted(
+        self, group: SequenceGroup, seq: Sequence, row: int, result: ModelRunnerOutput
+    ) -> tuple[list[int], list[dict[int, float]] | None, str | None]:
+        """Applies the rows of a sequence that computed its draft (speculative decoding):
+        row i is the model's token after the draft's first i tokens. The sequence keeps the
+        rows' tokens up to the first whose draft token the model did not choose, that row's
+        own token included (the first row's always: a step gains at least one token),
+        stopping at a stop rule; the cache keeps the positions of the kept inputs. Returns
+        the tokens kept, their top logprobs (None when not asked for) and the finish
+        reason."""
         sampled = result.sampled
         drafts = seq.spec_token_ids
         seq.spec_token_ids = []
         count = len(drafts) + 1
         if result.sampled_seq_ids[row : row + count] != [seq.seq_id] * count:
             raise AssertionError(f"rows {row}..{row + count - 1} are not sequence {seq.seq_id}")
-        seq.num_pending_tokens -= 1
-        if seq.is_finished:
-            return row + count
         chosen = sampled.token_ids[row : row + count]
         accepted = 0
         while accepted < len(drafts) and chosen[accepted] == drafts[accepted]:
@@ -662,50 +667,26 @@ class Scheduler:
             per_pos += [0] * (accepted - len(per_pos))
         for position in range(accepted):
             per_pos[position] += 1
-        first = group.first_token_time is None
-        if first:
-            group.first_token_time = now
         new_token_ids: list[int] = []
         tops: list[dict[int, float]] = []
         finish_reason = None
-        try:
-            for r in range(row, row + accepted + 1):
-                token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
-                seq.token_ids.append(token_id)
-                new_token_ids.append(token_id)
-                top = sampled.top_logprobs[r]
-                if top is not None:
-                    tops.append(top)
-                if logprob is not None:
-                    seq.cumulative_logprob += logprob
-                if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
-                    decision = self.stop_checker.check(seq, group, False)
-                    if decision is not None:
-                        self._stop(seq, decision.finish_reason, decision.stop_reason)
-                        finish_reason = decision.finish_reason
-                        break
-        except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
-            self.fail(group, exc)
-            update.finished.append(group)
-            update.outputs.append(final_output(group, []))
-            return row + count
+        for r in range(row, row + accepted + 1):
+            token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
+            seq.token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            top = sampled.top_logprobs[r]
+            if top is not None:
+                tops.append(top)
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
+            if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
+                decision = self.stop_checker.check(seq, group, False)
+                if decision is not None:
+                    self._stop(seq, decision.finish_reason, decision.stop_reason)
+                    finish_reason = decision.finish_reason
+                    break
         seq.num_computed_tokens = len(seq.token_ids) - 1  # its last token's K/V: next step
-        self.num_generation_tokens += len(new_token_ids) - count  # update counts every row
-        if group.final_only:
-            if finish_reason is None:
-                return row + count
-            new_token_ids = seq.output_token_ids
-        has_logprobs = sampled.logprobs[row] is not None
-        delta = SampleDelta(
-            seq.index, new_token_ids, seq.cumulative_logprob if has_logprobs else None,
-            tops or None, finish_reason, seq.stop_reason,
-        )  # fmt: skip
-        if finish_reason is not None:
-            update.finished.append(group)
-            update.outputs.append(final_output(group, [delta]))
-        else:
-            update.outputs.append(progress_output(group, [delta], first))
-        return row + count
+        return new_token_ids, tops or None, finish_reason
 
     def _update_beams(
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float

@@ -106,10 +106,10 @@ def test_logprobs_are_the_unspeculated_engines(tiny_model_dir, prompts):
 
 
 def test_requests_that_cannot_speculate_run_as_without_it(tiny_model_dir, prompts):
-    """Several samples and penalties: the same tokens as an engine without speculation,
-    and no draft verified for them."""
+    """min_tokens and penalties: the same tokens as an engine without speculation, and no
+    draft verified for them."""
     params = [
-        SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.8, seed=7, n=2, min_tokens=4, max_tokens=MAX_TOKENS),
         SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=MAX_TOKENS),
     ] * 3
     chosen = prompts[: len(params)]
@@ -144,3 +144,28 @@ def test_no_draft_above_disable_by_batch_size(tiny_model_dir, prompts, expected)
     always = engine_for(tiny_model_dir)
     run_to_completion(always, prompts, params)
     assert 0 < limited.stats().num_draft_tokens < always.stats().num_draft_tokens
+
+
+def test_several_samples_speculate_each(tiny_model_dir, prompts, expected):
+    """n = 3 greedy samples are each HF's tokens; seeded n = 2 and best_of = 3 samples
+    speculate and repeat themselves."""
+    engine = engine_for(tiny_model_dir)
+    greedy = run_to_completion(
+        engine, prompts, SamplingParams(temperature=0, n=3, max_tokens=MAX_TOKENS)
+    )
+    for output, tokens in zip(greedy, expected, strict=True):
+        assert [o.token_ids for o in output.outputs] == [tokens] * 3
+    assert engine.stats().num_accepted_tokens > 0
+    params = [
+        SamplingParams(temperature=0.3, seed=i, n=2, best_of=3 if i % 2 else None,
+                       max_tokens=MAX_TOKENS)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    runs = []
+    for _ in range(2):
+        engine = engine_for(tiny_model_dir)
+        outputs = run_to_completion(engine, prompts, params)
+        runs.append([[o.token_ids for o in output.outputs] for output in outputs])
+        assert engine.stats().num_draft_tokens > 0
+    assert runs[0] == runs[1]
+    assert all(len(samples) == 2 for samples in runs[0])

@@ -68,12 +68,12 @@ def test_ngram_proposes_what_followed_the_latest_match(tokens, low, high, draft)
     assert propose_ngram(tokens, 3, low, high) == draft
 
 
-def test_only_single_samples_that_read_no_output_speculate():
+def test_only_samples_that_read_no_output_speculate():
     assert can_speculate(SamplingParams(temperature=0, logprobs=2, stop=["x"]))
     assert can_speculate(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
+    assert can_speculate(SamplingParams(temperature=0.7, n=2))
+    assert can_speculate(SamplingParams(temperature=0, best_of=2))
     for params in (
-        SamplingParams(temperature=0.7, n=2),
-        SamplingParams(temperature=0, best_of=2),
         SamplingParams(temperature=0, presence_penalty=0.5),
         SamplingParams(temperature=0, min_tokens=3),
         BeamSearchParams(beam_width=2),
