@@ -87,7 +87,8 @@ class ScheduledSequence(msgspec.Struct, frozen=True, gc=False):
 
 @dataclass
 class SchedulerOutput:
-    """A step's plan: sequences with one query token come first (the decode fast path).
+    """A step's plan: sequences with one query token come first (the decode fast path), with
+    those that carry a draft (the worker verifies a draft as one decode per position).
 
     `blocks_to_copy`: copy-on-write (src, dst) block pairs to copy before any K/V is stored.
     `block_tables`: the whole table of each sequence whose table was created or changed since
@@ -111,7 +112,7 @@ class SchedulerOutput:
     new_constrained_beams: dict[int, str] = field(default_factory=dict)
     beam_choices: list[BeamChoice] = field(default_factory=list)
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
-    num_draft_tokens: int = 0  # of all sequences: none, and every sequence samples once
+    num_draft_tokens: int = 0  # of all scheduled sequences (0: each samples once at most)
 
     @property
     def is_empty(self) -> bool:
