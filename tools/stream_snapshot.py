@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import queue
 import random
 import re
 import sys
@@ -39,7 +38,7 @@ import httpx
 import octavo
 from octavo.engine import EngineConfig
 from octavo.engine.core.engine_core import EngineCore
-from octavo.engine.core_messages import EngineCoreInputs, EngineCoreOutputs
+from octavo.engine.core_messages import EngineCoreOutputs
 from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.engine.frontend.core_client import InprocessCoreClient
 from octavo.engine.frontend.tokenizer import load_tokenizer
@@ -98,39 +97,29 @@ class LockstepCoreClient(InprocessCoreClient):
         on_outputs: Callable[[EngineCoreOutputs], None],
         on_death: Callable[[BaseException], None],
     ) -> None:
-        def receive(block: bool) -> EngineCoreInputs | None:
-            try:
-                return self._inputs.get(block=block)
-            except queue.Empty:
-                return None
+        busy_loop = self.core.run_busy_loop
 
-        def send(outputs: EngineCoreOutputs) -> None:
-            idle = threading.Event()
+        def lockstep(receive, send) -> None:  # the parent's loop, its sends waiting
+            def send_and_settle(outputs: EngineCoreOutputs) -> None:
+                send(outputs)  # queues on_outputs on the loop; settle runs after it
+                idle = threading.Event()
 
-            def settle(turns: int) -> None:
-                # asyncio's ready queue: the callbacks of this loop turn not yet run, and those
-                # scheduled for the next. Empty, nothing can run until the core sends again.
-                if turns < SETTLE_TURNS or loop._ready:  # type: ignore[attr-defined]
-                    loop.call_soon(settle, turns + 1 if not loop._ready else 0)  # type: ignore[attr-defined]
-                else:
-                    idle.set()
+                def settle(turns: int) -> None:
+                    # asyncio's ready queue: the callbacks of this loop turn not yet run, and
+                    # those scheduled for the next. Empty, nothing runs until the core sends.
+                    ready = loop._ready  # type: ignore[attr-defined]
+                    if turns < SETTLE_TURNS or ready:
+                        loop.call_soon(settle, turns + 1 if not ready else 0)
+                    else:
+                        idle.set()
 
-            def deliver() -> None:
-                on_outputs(outputs)
-                loop.call_soon(settle, 0)
+                loop.call_soon_threadsafe(settle, 0)
+                idle.wait()
 
-            loop.call_soon_threadsafe(deliver)
-            idle.wait()
+            busy_loop(receive, send_and_settle)
 
-        def run() -> None:
-            try:
-                self.core.run_busy_loop(receive, send)
-            except BaseException as exc:
-                loop.call_soon_threadsafe(on_death, exc)
-                raise
-
-        self._thread = threading.Thread(target=run, name="snapshot-engine-core", daemon=True)
-        self._thread.start()
+        self.core.run_busy_loop = lockstep  # type: ignore[method-assign]
+        super().start(loop, on_outputs, on_death)
 
 
 def requests(count: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
