@@ -568,7 +568,9 @@ class Scheduler:
                 drafts = seq.spec_token_ids
                 token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
                 first_row = row
-                row += 1 + len(drafts)
+                row += 1
+                if drafts:  # a row per draft token besides
+                    row += len(drafts)
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # a token sampled past a stop, an abort or a failure
                     seq.spec_token_ids = []
