@@ -28,8 +28,9 @@ from pathlib import Path
 DEFAULT_PHASES = {
     "schedule": "Scheduler.schedule ",
     "launch (execute_async)": "ModelRunner.execute_async ",
-    "  decode graph replay": "CUDAGraphRunner.run ",
-    "  forward outside the decode graphs": "ModelRunner._forward ",
+    "  forward (every graph mode)": "ModelRunner._forward ",
+    "    full decode graph": "DecodeGraphs.run ",
+    "    piecewise graphs": "PiecewiseGraphs.forward ",
     "  Triton launch path": "JITFunction.run ",
     "  Triton compiling": "compile ",
     "apply results (update)": "Scheduler.update ",

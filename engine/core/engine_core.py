@@ -143,9 +143,11 @@ class EngineCore:
             grammars,
         )
         if config.uses_cuda_graphs:
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
-        if config.uses_piecewise_graphs:
-            self.runner.enable_piecewise_graphs(config.max_num_batched_tokens)
+            self.runner.capture_cuda_graphs(
+                config.max_num_seqs,
+                self.max_model_len,
+                config.max_num_batched_tokens if config.uses_piecewise_graphs else None,
+            )
         self.limits = ModelLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,

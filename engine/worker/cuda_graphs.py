@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs: GPT-2 small is launch-bound without them."""
+"""Decode steps replayed from full CUDA graphs: GPT-2 small is launch-bound without them."""
 
 from __future__ import annotations
 
@@ -173,16 +173,18 @@ class DecodeInputBuffers:
 def forward_bucket(
     model: GPT2LMHeadModel, kv_cache: torch.Tensor, buffers: DecodeInputBuffers, size: int
 ) -> torch.Tensor:
-    """Logits [size, vocab] of every row of the bucket in `buffers`: the captured work."""
-    hidden = model(
-        buffers.input_ids(size), buffers.positions(size), kv_cache, buffers.metadata(size)
-    )
-    return model.compute_logits(hidden)
+    """Hidden states [size, C] of every row of the bucket in `buffers`: the captured work."""
+    return model(buffers.input_ids(size), buffers.positions(size), kv_cache, buffers.metadata(size))
 
 
-class CUDAGraphRunner:
-    """Captures one decode step (forward + logits of every row) per batch-size bucket, all
-    reading DecodeInputBuffers; a step loads its batch and replays its bucket's graph."""
+class DecodeGraphs:
+    """One decode step's forward per batch-size bucket, all reading DecodeInputBuffers; a
+    step loads its batch and replays its bucket's graph.
+
+    With `capture` (CUDA), each bucket is captured as a graph, all in one memory pool;
+    without, `run` does the same work eagerly over the same padded buffers, which is how
+    the padding contract is tested on a CPU.
+    """
 
     def __init__(
         self,
@@ -191,6 +193,7 @@ class CUDAGraphRunner:
         max_batch_size: int,
         max_model_len: int,
         block_size: int,
+        capture: bool,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -198,14 +201,16 @@ class CUDAGraphRunner:
             max_batch_size, max_model_len, block_size, model.config.n_head, kv_cache.device
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output buffer
+        if capture:
+            self._capture()
 
     @property
     def max_batch_size(self) -> int:
         return self.buffers.max_batch_size
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def _capture(self) -> None:
         """Captures every bucket, largest first, all sharing one memory pool. The buffers
         hold padding rows only, so warm-up and capture store nothing in the cache."""
         pool = None
@@ -216,7 +221,7 @@ class CUDAGraphRunner:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size] = forward_bucket(
+                    self.hidden[size] = forward_bucket(
                         self.model, self.kv_cache, self.buffers, size
                     )
                 pool = graph.pool()
@@ -224,10 +229,12 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run(self, batch: HostBatch, pending: PendingInputs | None = None) -> torch.Tensor:
-        """Logits [batch.num_seqs, vocab] of a decode-only batch (`batch.is_graph_decode`),
-        its unknown input tokens filled in on the device from `pending`. The result is a
-        view of graph memory, valid until the next replay."""
+    def run(self, batch: HostBatch, pending: PendingInputs | None) -> torch.Tensor:
+        """Hidden states [batch.num_seqs, C] of a decode-only batch (`batch.is_uniform_decode`),
+        its unknown input tokens filled in on the device from `pending`. Replayed, the
+        result is a view of graph memory, valid until the next replay."""
         size = self.buffers.load_batch(batch, pending)
+        if not self.graphs:  # not captured: the same work, op by op
+            return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: batch.num_seqs]
         self.graphs[size].replay()
-        return self.logits[size][: batch.num_seqs]
+        return self.hidden[size][: batch.num_seqs]

@@ -52,7 +52,7 @@ class HostBatch:
         return len(self.seq_lens)
 
     @property
-    def is_graph_decode(self) -> bool:
+    def is_uniform_decode(self) -> bool:
         """Every sequence decodes one token and its logits row is its own, in order (and no
         prompt logprobs want other rows): the shape a captured decode graph computes."""
         num_seqs = self.num_seqs

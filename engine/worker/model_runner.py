@@ -17,7 +17,8 @@ from octavo.engine.step_io import (
     SchedulerOutput,
 )
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
-from octavo.engine.worker.cuda_graphs import CUDAGraphRunner
+from octavo.engine.worker.cuda_graphs import DecodeGraphs
+from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher, CUDAGraphMode
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
@@ -150,8 +151,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.graphs: CUDAGraphRunner | None = None
-        self.piecewise: PiecewiseGraphs | None = None
+        self.dispatcher = CudagraphDispatcher()  # eager until capture_cuda_graphs
         # The previous step's sampled tokens (device) and the sequence of each row.
         self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
         # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
@@ -167,17 +167,21 @@ class ModelRunner:
         kv_width = model_config.num_kv_heads * model_config.head_dim
         return 2 * model_config.n_layer * block_size * kv_width * element
 
-    def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Captures decode steps of up to max_batch_size sequences (CUDA + triton only)."""
-        self.graphs = CUDAGraphRunner(
-            self.model, self.kv_cache, max_batch_size, max_model_len, self.block_size
-        )
-        self.graphs.capture()
-
-    def enable_piecewise_graphs(self, max_num_tokens: int) -> None:
-        """Captures the steps of up to max_num_tokens tokens that decode graphs do not take
-        (steps that prefill), piecewise around attention (CUDA + triton only)."""
-        self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, max_num_tokens, capture=True)
+    def capture_cuda_graphs(
+        self, max_batch_size: int, max_model_len: int, piecewise_max_tokens: int | None
+    ) -> None:
+        """Captures full decode graphs for up to max_batch_size sequences and, unless
+        piecewise_max_tokens is None, piecewise graphs for the other steps of up to that
+        many tokens (CUDA + triton only)."""
+        self.dispatcher = CudagraphDispatcher(
+            DecodeGraphs(
+                self.model, self.kv_cache, max_batch_size, max_model_len, self.block_size,
+                capture=True,
+            ),
+            None
+            if piecewise_max_tokens is None
+            else PiecewiseGraphs(self.model, self.kv_cache, piecewise_max_tokens, capture=True),
+        )  # fmt: skip
 
     def apply_changes(self, output: SchedulerOutput) -> None:
         """A step with nothing to run: the worker's rows still follow what the scheduler
@@ -196,25 +200,15 @@ class ModelRunner:
             pairs = np.array(output.blocks_to_copy, dtype=np.int64)
             self.backend.copy_blocks(self.kv_cache, self._to_device("copies", pairs))
         batch = self.input_batch.prepare(output)
-        pending = self._pending_inputs(batch)
+        uniform_decode = batch.is_uniform_decode
+        hidden = self._forward(batch, self._pending_inputs(batch), uniform_decode)
+        prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if not len(batch.logits_rows):  # a step of prefill chunks that sample nothing yet
-            hidden = self._forward(batch, pending)
             self._last_sampled = None
-            return StepFuture([], None, [], None, self._prompt_logprobs(hidden, batch))
-        graph_decode = batch.is_graph_decode
-        prompt_logprobs: dict[int, TopLogprobs] = {}  # never in a graph's decode batch
-        if (
-            self.graphs is not None
-            and graph_decode
-            and batch.num_seqs <= self.graphs.max_batch_size
-        ):
-            logits = self.graphs.run(batch, pending)
-        else:
-            hidden = self._forward(batch, pending)
-            prompt_logprobs = self._prompt_logprobs(hidden, batch)
-            if not graph_decode:  # every row's logits, in order, need no gather
-                hidden = hidden[self._to_device("logits_rows", batch.logits_rows)]
-            logits = self.model.compute_logits(hidden)
+            return StepFuture([], None, [], None, prompt_logprobs)
+        if not uniform_decode:  # a uniform decode's rows are its logits rows, in order
+            hidden = hidden[self._to_device("logits_rows", batch.logits_rows)]
+        logits = self.model.compute_logits(hidden)
         num_sampled = len(batch.sampling)
         sampled = None
         if num_sampled:
@@ -283,7 +277,14 @@ class ModelRunner:
             tokens[self._to_device("pending_sources", sources)],
         )
 
-    def _forward(self, batch: HostBatch, pending: PendingInputs | None) -> torch.Tensor:
+    def _forward(
+        self, batch: HostBatch, pending: PendingInputs | None, uniform_decode: bool
+    ) -> torch.Tensor:
+        """The step's hidden states [tokens, C], run the way the dispatcher chooses."""
+        mode = self.dispatcher.dispatch(len(batch.input_ids), uniform_decode)
+        if mode is CUDAGraphMode.FULL:
+            assert self.dispatcher.full is not None
+            return self.dispatcher.full.run(batch, pending)
         metadata = AttentionMetadata(
             slot_mapping=self._to_device("slot_mapping", batch.slot_mapping),
             block_tables=self._to_device("block_tables", batch.block_tables),
@@ -301,8 +302,9 @@ class ModelRunner:
             input_ids = input_ids.index_copy(0, pending.rows, pending.tokens)
         positions = self._to_device("positions", batch.positions)
         metadata = self.backend.prepare(metadata)
-        if self.piecewise is not None and len(batch.input_ids) <= self.piecewise.max_num_tokens:
-            return self.piecewise.forward(input_ids, positions, metadata)
+        if mode is CUDAGraphMode.PIECEWISE:
+            assert self.dispatcher.piecewise is not None
+            return self.dispatcher.piecewise.forward(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_cache, metadata)
 
     def _to_device(self, kind: str, array: np.ndarray) -> torch.Tensor:

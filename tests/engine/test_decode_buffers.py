@@ -1,12 +1,14 @@
-"""The padded static decode batch that CUDA graphs replay, checked on CPU: everything of the
-graph path except the capture itself (tested on a GPU in test_gpu_engine)."""
+"""The padded static decode batch that full CUDA graphs replay, checked on CPU with each
+bucket's step run op by op: everything of the graph path except the capture itself (tested on
+a GPU in test_gpu_engine)."""
 
 import numpy as np
 import pytest
 import torch
 
 from octavo.engine import EngineConfig, LLMEngine
-from octavo.engine.worker.cuda_graphs import DecodeInputBuffers, forward_bucket
+from octavo.engine.worker.cuda_graphs import DecodeGraphs, DecodeInputBuffers, forward_bucket
+from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher
 from octavo.engine.worker.input_batch import HostBatch, PendingInputs
 from octavo.kernels.paged_attention import MIN_CONTEXT_TO_SPLIT
 from tests.checkpoints import sample_prompts
@@ -19,27 +21,23 @@ H100_SMS = 132
 BUFFER_MAX_MODEL_LEN = MIN_CONTEXT_TO_SPLIT
 
 
-class EagerBucketReplay:
-    """CUDAGraphRunner's contract (max_batch_size, run) with each replay done eagerly."""
+class RecordingDecodeGraphs(DecodeGraphs):
+    """Decode graphs not captured (each bucket's step run op by op), with each step's
+    (rows, bucket) recorded."""
 
     def __init__(self, engine: LLMEngine, max_batch_size: int):
-        self.model = engine.runner.model
-        self.kv_cache = engine.runner.kv_cache
-        self.buffers = DecodeInputBuffers(
-            max_batch_size, BUFFER_MAX_MODEL_LEN, engine.config.block_size,
-            self.model.config.n_head, self.kv_cache.device,
+        runner = engine.runner
+        super().__init__(
+            runner.model, runner.kv_cache, max_batch_size, BUFFER_MAX_MODEL_LEN,
+            engine.config.block_size, capture=False,
         )  # fmt: skip
         self.buffers.num_sms = H100_SMS
         self.replays: list[tuple[int, int]] = []  # (rows, bucket)
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.buffers.max_batch_size
-
-    def run(self, batch: HostBatch, pending: PendingInputs | None = None) -> torch.Tensor:
-        size = self.buffers.load_batch(batch, pending)
-        self.replays.append((batch.num_seqs, size))
-        return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: batch.num_seqs]
+    def run(self, batch: HostBatch, pending: PendingInputs | None) -> torch.Tensor:
+        hidden = super().run(batch, pending)
+        self.replays.append((batch.num_seqs, self.buffers.bucket(batch.num_seqs)))
+        return hidden
 
 
 def triton_engine(model_dir: str) -> LLMEngine:
@@ -58,8 +56,8 @@ def test_padded_bucket_replay_gives_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     """Sequences finish one after another, so the decode batch shrinks through buckets 8, 4,
     2, 1 with padding rows, over buffers holding stale rows and columns of wider batches."""
     engine = triton_engine(tiny_model_dir)
-    replay = EagerBucketReplay(engine, max_batch_size=8)
-    engine.runner.graphs = replay
+    replay = RecordingDecodeGraphs(engine, max_batch_size=8)
+    engine.runner.dispatcher = CudagraphDispatcher(full=replay)
     prompts = sample_prompts(5, 3, 40, hf_tiny.config.vocab_size, seed=3)
     params = staggered_greedy(5, first=2, step=2)
     assert_hf_greedy(hf_tiny, prompts, params, run_to_completion(engine, prompts, params))
@@ -86,8 +84,8 @@ def test_padding_rows_store_nothing(tiny_model_dir, rows):
         np.array(seq_lens),
     )  # fmt: skip
     assert size == buffers.bucket(rows) and size >= rows
-    logits = forward_bucket(engine.runner.model, kv_cache, buffers, size)
-    assert torch.isfinite(logits).all()
+    hidden = forward_bucket(engine.runner.model, kv_cache, buffers, size)
+    assert torch.isfinite(hidden).all()
     changed = (kv_cache != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
     written = torch.zeros_like(changed)
     for slot in slots:

@@ -32,7 +32,10 @@ def test_greedy_on_gpu_equals_hf(tiny_model_dir, hf_tiny, enforce_eager):
         enforce_eager=enforce_eager,
     )
     assert llm.engine.runner.backend.name == "triton"
-    assert (llm.engine.runner.graphs is None) == enforce_eager
+    full = llm.engine.runner.dispatcher.full
+    assert (full is None) == enforce_eager
+    if full is not None:
+        assert set(full.graphs) == set(full.buffers.buckets)
     prompts = sample_prompts(12, 1, 120, hf_tiny.config.vocab_size, seed=0)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -48,7 +51,7 @@ def test_piecewise_graphs_on_gpu_equal_hf(tiny_model_dir, hf_tiny, async_schedul
         model=tiny_model_dir, device="cuda", dtype="float32", num_blocks=2048, max_num_seqs=3,
         max_num_batched_tokens=48, piecewise_cuda_graphs=True, async_scheduling=async_scheduling,
     )  # fmt: skip
-    piecewise = llm.engine.runner.piecewise
+    piecewise = llm.engine.runner.dispatcher.piecewise
     assert piecewise is not None
     assert all(piece.graph is not None for pieces in piecewise.pieces.values() for piece in pieces)
     prompts = sample_prompts(8, 5, 120, hf_tiny.config.vocab_size, seed=7)

@@ -7,6 +7,7 @@ import torch
 
 from octavo.engine import EngineConfig, LLMEngine
 from octavo.engine.worker.attention.backend import AttentionMetadata
+from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import assert_hf_greedy, run_to_completion, staggered_greedy
@@ -51,7 +52,7 @@ def test_piecewise_steps_give_hf_greedy_tokens(tiny_model_dir, hf_tiny):
     )  # fmt: skip
     engine = LLMEngine(config)
     pieces = RecordingPieces(engine)
-    engine.runner.piecewise = pieces
+    engine.runner.dispatcher = CudagraphDispatcher(piecewise=pieces)
     prompts = sample_prompts(6, 5, 70, hf_tiny.config.vocab_size, seed=5)
     params = staggered_greedy(6, first=3, step=2)
     assert_hf_greedy(hf_tiny, prompts, params, run_to_completion(engine, prompts, params))
@@ -69,7 +70,7 @@ def test_beams_through_the_pieces_equal_hf(eos_model_dir, hf_eos):
                      block_size=8, max_num_batched_tokens=STEP_TOKENS)
     )  # fmt: skip
     pieces = RecordingPieces(engine)
-    engine.runner.piecewise = pieces
+    engine.runner.dispatcher = CudagraphDispatcher(piecewise=pieces)
     outputs = run_to_completion(engine, [p for p, _ in cases], [p for _, p in cases])
     expected = [hf_beam_search(hf_eos, prompt, params) for prompt, params in cases]
     assert_same(outputs, expected, cases)

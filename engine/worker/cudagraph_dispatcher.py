@@ -1,0 +1,38 @@
+"""Which way a step's forward runs: a full decode graph, piecewise graphs, or eagerly."""
+
+from __future__ import annotations
+
+import enum
+
+from octavo.engine.worker.cuda_graphs import DecodeGraphs
+from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
+
+
+class CUDAGraphMode(enum.Enum):
+    """How one step's model forward runs; every mode yields the step's hidden states."""
+
+    NONE = "none"  # eagerly, op by op
+    PIECEWISE = "piecewise"  # captured pieces around eager attention
+    FULL = "full"  # one captured decode step
+
+
+class CudagraphDispatcher:
+    """The graphs an engine captured, and the rule choosing among them per step.
+
+    FULL takes a uniform decode (every sequence decodes one token and samples it, in
+    order) of at most `full.max_batch_size` sequences; PIECEWISE any other step of at
+    most `piecewise.max_num_tokens` tokens; NONE the rest. Without graphs (CPU, or
+    enforce_eager), every step is NONE.
+    """
+
+    def __init__(self, full: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None):
+        self.full = full
+        self.piecewise = piecewise
+
+    def dispatch(self, num_tokens: int, uniform_decode: bool) -> CUDAGraphMode:
+        """The mode of a step of `num_tokens` tokens (one per sequence if uniform_decode)."""
+        if self.full is not None and uniform_decode and num_tokens <= self.full.max_batch_size:
+            return CUDAGraphMode.FULL
+        if self.piecewise is not None and num_tokens <= self.piecewise.max_num_tokens:
+            return CUDAGraphMode.PIECEWISE
+        return CUDAGraphMode.NONE
