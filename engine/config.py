@@ -142,7 +142,9 @@ class EngineConfig:
                   "\"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "
                   "\"prompt_lookup_max\": b, \"disable_by_batch_size\": n}: each step "
                   "a sequence proposes up to k tokens from its own prompt and output and "
-                  "the model verifies them at once. Requests without penalties, "
+                  "the model verifies them at once; {\"model\": PATH, "
+                  "\"num_speculative_tokens\": k}: the greedy tokens of a draft model "
+                  "with the same vocabulary propose them. Requests without penalties, "
                   "min_tokens, bad words or structured outputs speculate (greedy output "
                   "unchanged, sampled output in the same distribution); others run as "
                   "usual. The offline LLM also takes a dict"},

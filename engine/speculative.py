@@ -1,4 +1,5 @@
-"""Speculative decoding's settings (vLLM's `speculative_config`) and its n-gram proposer.
+"""Speculative decoding's settings (vLLM's `speculative_config`) and its n-gram proposer
+(the draft-model proposer is the worker's: engine/worker/draft_model.py).
 
 Prompt lookup ("ngram"): the draft of a sequence is what followed the latest earlier
 occurrence of its last few tokens in its own prompt and output. Quoting, summarizing and
@@ -17,7 +18,7 @@ from typing import Any
 
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's prompt lookup window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -25,16 +26,19 @@ DEFAULT_PROMPT_LOOKUP = 5
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`num_speculative_tokens` draft tokens a step from prompt lookup over windows of
-    `prompt_lookup_min` to `prompt_lookup_max` tokens (one bound given: both; none: 5), for
-    no running batch larger than `disable_by_batch_size` (None: any), where speculation only
-    adds work."""
+    """`num_speculative_tokens` draft tokens a step, for no running batch larger than
+    `disable_by_batch_size` (None: any), where speculation only adds work. Method "ngram":
+    prompt lookup over windows of `prompt_lookup_min` to `prompt_lookup_max` tokens (one
+    bound given: both; none: 5). Method "draft_model" (implied by `model`): the greedy
+    tokens of the model at `model`, which must share the target's vocabulary (checked when
+    the engine loads it)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
@@ -47,21 +51,26 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError("speculative_config: a JSON object is expected")
         fields = dict(value)
-        if "model" in fields:
-            raise ValueError(
-                "speculative_config.model: draft models are not supported; "
-                'use {"method": "ngram", ...}'
-            )
         known = {
             "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-            "disable_by_batch_size",
+            "disable_by_batch_size", "model",
         }  # fmt: skip
         for key in fields:
             if key not in known:
                 raise ValueError(f"speculative_config: unknown field {key!r}")
-        method = fields.get("method")
+        model = fields.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(
+                f"speculative_config.model must be a model name or path, got {model!r}"
+            )
+        method = fields.get("method", "draft_model" if model is not None else None)
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError(
+                "speculative_config.model: method 'draft_model' needs a model, and a model "
+                f"needs method 'draft_model', got method {method!r} and model {model!r}"
+            )
         k = _integer(fields, "num_speculative_tokens", required=True)
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -70,6 +79,11 @@ class SpeculativeConfig:
             )
         low = _integer(fields, "prompt_lookup_min")
         high = _integer(fields, "prompt_lookup_max")
+        if method != "ngram" and (low is not None or high is not None):
+            raise ValueError(
+                "speculative_config: prompt_lookup_min and prompt_lookup_max apply to method "
+                f"'ngram', not {method!r}"
+            )
         low = low if low is not None else high if high is not None else DEFAULT_PROMPT_LOOKUP
         high = high if high is not None else low
         if not 1 <= low <= high:
@@ -80,7 +94,7 @@ class SpeculativeConfig:
         limit = _integer(fields, "disable_by_batch_size")
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {limit}")
-        return cls(method, k, low, high, limit)
+        return cls(method, k, low, high, limit, model)
 
 
 def can_speculate(params: SamplingParams | BeamSearchParams) -> bool:

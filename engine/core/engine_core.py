@@ -37,8 +37,10 @@ from octavo.engine.stop_rules import length_limit
 from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
 from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
+from octavo.engine.worker.draft_model import DraftModelProposer, DraftRequest
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.model_runner import ModelRunner, StepFuture, profile_activation_bytes
+from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.models.model_files import tokenizer_file
 from octavo.engine.worker.models.weights import load_model
@@ -106,7 +108,22 @@ class EngineCore:
                 f"n_positions ({n_positions})"
             )
 
-        num_blocks = config.num_blocks or self._default_num_blocks(loaded.model, backend, dtype)
+        spec = self._speculative
+        draft, draft_backend = None, make_backend(config)
+        if spec is not None and spec.model is not None:
+            draft = load_model(
+                spec.model, config.load_format, draft_backend, self.device, dtype, config.seed,
+                config.quantization,
+            )  # fmt: skip
+            if draft.config.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model {spec.model!r} has a vocabulary of "
+                    f"{draft.config.vocab_size} tokens, the target "
+                    f"{self.model_config.vocab_size}: a draft model must share the target's"
+                )
+        num_blocks = config.num_blocks or self._default_num_blocks(
+            loaded.model, backend, dtype, None if draft is None else draft.config
+        )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -148,6 +165,12 @@ class EngineCore:
                 self.max_model_len,
                 config.max_num_batched_tokens if config.uses_piecewise_graphs else None,
             )
+        self.drafter = None
+        if draft is not None:
+            self.drafter = DraftModelProposer(
+                draft.model, draft_backend, num_blocks, config.block_size,
+                config.max_num_batched_tokens, self.device, dtype,
+            )  # fmt: skip
         self.limits = ModelLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -172,12 +195,20 @@ class EngineCore:
         self.step_observers: list[Callable[[SchedulerOutput], None]] = []
 
     def _default_num_blocks(
-        self, model: GPT2LMHeadModel, backend: AttentionBackend, dtype: torch.dtype
+        self,
+        model: GPT2LMHeadModel,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        draft_config: GPT2Config | None,
     ) -> int:
         """CPU: kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use
-        (weights) and what the largest step needs on top (profiled with a dummy step)."""
+        (weights, a draft model's included) and what the largest step needs on top (profiled
+        with a dummy step). A draft model's cache has as many blocks as the target's: each
+        block counts both."""
         config = self.config
         per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, dtype)
+        if draft_config is not None:
+            per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, dtype)
         if self.device.type == "cuda":
             activation = profile_activation_bytes(
                 model, backend, config.max_num_batched_tokens, config.max_num_seqs,
@@ -323,12 +354,17 @@ class EngineCore:
 
     def _propose_drafts(self, spec: SpeculativeConfig) -> None:
         """Gives each speculating sequence that has just sampled a draft for the next step
-        (prompt lookup), unless more sequences run than `disable_by_batch_size`. A draft
-        stops short of the request's length limit: tokens past it would not be kept."""
+        (prompt lookup, or the draft model), unless more sequences run than
+        `disable_by_batch_size`. A draft stops short of the request's length limit: tokens
+        past it would not be kept."""
         scheduler = self.scheduler
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.release({seq.seq_id for group in scheduler.running for seq in group.seqs})
         limit = spec.disable_by_batch_size
         if limit is not None and scheduler.num_running_seqs > limit:
             return
+        drafted: list[tuple[Sequence, int]] = []
         for group in scheduler.running:
             if not group.num_speculative_tokens:
                 continue
@@ -338,9 +374,16 @@ class EngineCore:
                     continue  # still prefilling, or ended
                 k = min(group.num_speculative_tokens, group.max_num_tokens - len(tokens) - 1)
                 if k > 0:
-                    seq.spec_token_ids = propose_ngram(
-                        tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max
-                    )
+                    drafted.append((seq, k))
+        if drafter is None:
+            for seq, k in drafted:
+                seq.spec_token_ids = propose_ngram(
+                    seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+                )
+            return
+        drafts = drafter.propose([DraftRequest(s.seq_id, s.token_ids, k) for s, k in drafted])
+        for (seq, _), draft in zip(drafted, drafts, strict=True):
+            seq.spec_token_ids = draft
 
     def _apply_step(self, scheduled: ScheduledStep, launched: StepFuture) -> list[EngineCoreOutput]:
         """Applies a step's results; the outputs of the requests that progressed or ended."""

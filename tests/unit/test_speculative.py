@@ -17,6 +17,16 @@ def test_vllms_json_and_its_defaults():
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 1}) == (
         SpeculativeConfig("ngram", 1, 5, 5, None)
     )
+    # A model implies method "draft_model", as in vLLM.
+    draft = SpeculativeConfig.parse({"model": "distilgpt2", "num_speculative_tokens": 4})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == (
+        "draft_model",
+        "distilgpt2",
+        4,
+    )
+    assert draft == SpeculativeConfig.parse(
+        {"method": "draft_model", "model": "distilgpt2", "num_speculative_tokens": 4}
+    )
 
 
 @pytest.mark.parametrize(
@@ -25,7 +35,12 @@ def test_vllms_json_and_its_defaults():
         ("{not json", "not JSON"),
         ("[1]", "JSON object"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-        ({"model": "distilgpt2", "num_speculative_tokens": 2}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "model": "distilgpt2", "num_speculative_tokens": 2}, "model"),
+        ({"model": "", "num_speculative_tokens": 2}, "model"),
+        ({"model": 3, "num_speculative_tokens": 2}, "model"),
+        ({"model": "distilgpt2", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+         "prompt_lookup"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),

@@ -1,6 +1,6 @@
-"""`octavo serve --speculative-config` over HTTP: greedy streams and chat carry exactly the
-text, logprobs and usage of the server without it, stop strings included, while drafts are
-verified and accepted (the /metrics counters)."""
+"""`octavo serve --speculative-config` (n-gram, and a draft model) over HTTP: greedy streams
+and chat carry exactly the text, logprobs and usage of the server without it, stop strings
+included, while drafts are verified and accepted (the /metrics counters)."""
 
 import json
 import re
@@ -17,9 +17,13 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_look
 PASSAGE = "the while statement is used for repeated execution as long as an expression is true"
 
 
-@pytest.fixture(scope="module")
-def speculative(tiny_model_dir) -> Iterator[httpx.Client]:
-    app = InProcessServer(tiny_model_dir, engine_args={"speculative_config": NGRAM})
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def speculative(request, tiny_model_dir) -> Iterator[httpx.Client]:
+    """A server speculating by prompt lookup, or with the served model as its own draft."""
+    config = NGRAM
+    if request.param == "draft_model":
+        config = json.dumps({"model": tiny_model_dir, "num_speculative_tokens": 3})
+    app = InProcessServer(tiny_model_dir, engine_args={"speculative_config": config})
     try:
         yield app.http
     finally:

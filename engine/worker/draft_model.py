@@ -1,0 +1,211 @@
+"""Draft tokens from a smaller model with the target's vocabulary (speculative decoding).
+
+The draft model proposes greedily: its k tokens are a function of the sequence so far, so
+the target's verification (engine/speculative.py) treats them as a fixed draft and the
+output keeps the target's distribution, as with prompt lookup. It keeps its own paged K/V
+cache, one block list per sequence, filled as the sequences grow: a step computes each
+sequence's tokens the draft has not seen (the last one or two after a verification, the
+whole prompt for a new sequence), then k - 1 decodes of its own proposals, all sequences in
+one forward each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+
+NULL_BLOCK = 0  # never handed out: padding for block-table rows
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """A sequence's tokens so far (its last one sampled, not yet in the target's cache) and
+    how many draft tokens to propose after them."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class _DraftSequence:
+    """The draft cache's copy of one sequence: the tokens whose K/V it holds, in order
+    (the first `num_confirmed` of them are the sequence's; the rest are the draft's own
+    proposals, kept where the target accepted them), and its blocks."""
+
+    cached: list[int] = field(default_factory=list)
+    num_confirmed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Row:
+    """One sequence of a draft forward: the positions it computes, its input tokens."""
+
+    state: _DraftSequence
+    input_ids: list[int]
+    num_tokens: int  # the draft tokens it proposes (0: a catch-up that proposes nothing)
+
+
+class DraftModelProposer:
+    """Proposes draft tokens with `model` over a cache of `num_blocks` blocks.
+
+    A sequence whose blocks do not fit in the free ones gets no draft that step (the target
+    decodes it as usual); a new sequence's prompt is computed at most `max_num_tokens` tokens
+    a step, all sequences together (a longer catch-up spans steps, proposing nothing until
+    it is done). Sequences longer than the model's positions get no draft.
+    """
+
+    def __init__(
+        self,
+        model: GPT2LMHeadModel,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        max_num_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        config = model.config
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.max_positions = config.n_positions
+        self.device = device
+        self.kv_cache = torch.zeros(
+            (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        self.num_blocks = num_blocks
+        self._free_blocks = list(range(num_blocks - 1, NULL_BLOCK, -1))
+        self._seqs: dict[int, _DraftSequence] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose tokens the draft cache holds."""
+        return len(self._seqs)
+
+    def release(self, live_seq_ids: set[int]) -> None:
+        """Frees the cache of every sequence not in live_seq_ids (finished, or preempted:
+        a preempted sequence is computed again when it resumes)."""
+        for seq_id in [s for s in self._seqs if s not in live_seq_ids]:
+            self._free_blocks += self._seqs.pop(seq_id).blocks
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's draft: up to `num_tokens` tokens (fewer or none where the cache,
+        the catch-up budget or the model's positions fall short)."""
+        rows: list[_Row | None] = [self._plan(request) for request in requests]
+        budget = self.max_num_tokens
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            if len(row.input_ids) > budget:  # a catch-up this step cannot finish
+                row.input_ids = row.input_ids[:budget]
+                row.num_tokens = 0
+            budget -= len(row.input_ids)
+            if not row.input_ids:
+                rows[i] = None
+        drafts: list[list[int]] = [[] for _ in requests]
+        active = [(i, row) for i, row in enumerate(rows) if row is not None]
+        first = True
+        while active:
+            next_tokens = self._forward([row for _, row in active])
+            still = []
+            for (i, row), token in zip(active, next_tokens, strict=True):
+                if first:  # the inputs were the sequence's own tokens
+                    row.state.num_confirmed = len(row.state.cached)
+                if not row.num_tokens:
+                    continue
+                drafts[i].append(token)
+                if len(drafts[i]) < row.num_tokens:
+                    row.input_ids = [token]  # its K/V is computed by the next forward
+                    still.append((i, row))
+            active, first = still, False
+        return drafts
+
+    def _plan(self, request: DraftRequest) -> _Row | None:
+        """The sequence's rows for its first forward: what the cache lacks of its tokens
+        (at least the last), with blocks for those and for the draft's own k - 1 tokens;
+        None where it gets no draft."""
+        tokens = request.token_ids
+        k = min(request.num_tokens, self.max_positions - len(tokens) + 1)
+        if k < 1:
+            return None
+        state = self._seqs.setdefault(request.seq_id, _DraftSequence())
+        # Proposals the target accepted are the sequence's tokens now; the rest are dropped.
+        # The last token is always computed again: its logits give the first draft token.
+        confirmed = min(state.num_confirmed, len(tokens) - 1)
+        limit = min(len(state.cached), len(tokens) - 1)
+        while confirmed < limit and state.cached[confirmed] == tokens[confirmed]:
+            confirmed += 1
+        del state.cached[confirmed:]
+        state.num_confirmed = confirmed
+        needed = -(-(len(tokens) + k - 1) // self.block_size) - len(state.blocks)
+        if needed > len(self._free_blocks):
+            return None
+        for _ in range(needed):
+            state.blocks.append(self._free_blocks.pop())
+        return _Row(state, tokens[confirmed:], k)
+
+    def _forward(self, rows: list[_Row]) -> list[int]:
+        """Runs each row's input tokens after its cached ones (decodes first, as the
+        backends expect), stores their K/V, and returns each row's greedy next token."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids) != 1)
+        ordered = [rows[i] for i in order]
+        query_lens = np.array([len(row.input_ids) for row in ordered], dtype=np.int32)
+        context_lens = np.array([len(row.state.cached) for row in ordered], dtype=np.int32)
+        seq_lens = context_lens + query_lens
+        width = max(len(row.state.blocks) for row in ordered)
+        tables = np.full((len(ordered), width), NULL_BLOCK, dtype=np.int32)
+        for r, row in enumerate(ordered):
+            tables[r, : len(row.state.blocks)] = row.state.blocks
+        positions = np.concatenate(
+            [np.arange(c, s, dtype=np.int64) for c, s in zip(context_lens, seq_lens, strict=True)]
+        )
+        seq_of_token = np.repeat(np.arange(len(ordered)), query_lens)
+        block_ids = tables[seq_of_token, positions // self.block_size].astype(np.int64)
+        slots = block_ids * self.block_size + positions % self.block_size
+        cu_seqlens_q = np.zeros(len(ordered) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu_seqlens_q[1:])
+        input_ids = np.concatenate([np.array(row.input_ids, dtype=np.int64) for row in ordered])
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            block_tables=self._to_device(tables),
+            seq_lens=self._to_device(seq_lens),
+            cu_seqlens_q=self._to_device(cu_seqlens_q),
+            max_seqlen_q=int(query_lens.max()),
+            max_seqlen_k=int(seq_lens.max()),
+            block_size=self.block_size,
+            seq_lens_host=seq_lens.tolist(),
+            query_lens_host=query_lens.tolist(),
+            num_decodes=int((query_lens == 1).sum()),
+        )
+        hidden = self.model(
+            self._to_device(input_ids),
+            self._to_device(positions),
+            self.kv_cache,
+            self.backend.prepare(metadata),
+        )
+        last = self._to_device(cu_seqlens_q[1:].astype(np.int64) - 1)
+        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        for row in ordered:
+            row.state.cached += row.input_ids
+        next_tokens = [0] * len(rows)
+        for r, i in enumerate(order):
+            next_tokens[i] = tokens[r]
+        return next_tokens
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
