@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh offline OUT_DIR   # offline throughput, gpt2 and gpt2-medium
 #   bash benchmarks/gpu_session.sh serve   OUT_DIR   # `octavo serve` vs offline; TTFT/ITL
 #   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
+#   bash benchmarks/gpu_session.sh speculative OUT_DIR  # n-gram and draft-model speculation on
+#       # the embedded model at batch 1 (1 / tok/s is the ITL) and 8, fp16 and float32
 #   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # piecewise graphs (the CUDA default) against eager;
 #       # latency at --prefill-interval 8 (the CUDA default) and 1
 #   bash benchmarks/gpu_session.sh served_loss OUT_DIR  # where served throughput and one
@@ -38,7 +40,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|served_loss|served_loss_compare|arrivals|piecewise|compare|fusions|serve_compare OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|served_loss|served_loss_compare|arrivals|piecewise|speculative|compare|fusions|serve_compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -292,6 +294,13 @@ fusions)
     step kernel_bench_before env PYTHONPATH="$before:$PYTHONPATH" "$python" \
         "$before/benchmarks/kernel_bench.py" --result-file "$out/kernel_bench_before.json"
     PROFILE_BATCHES="1 8 16 64 256" bash "$0" compare "$out" || status=$?
+    ;;
+speculative)
+    for dtype in float16 float32; do
+        step "speculative_$dtype" "$python" benchmarks/speculative_decoding.py --device cuda \
+            --dtype "$dtype" --batch-sizes 1 8 --repeats 5 \
+            --result-file "$out/speculative_decoding_$dtype.json"
+    done
     ;;
 serve_compare)
     # One offline run, then both trees' servers on the same requests, streamed and

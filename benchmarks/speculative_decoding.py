@@ -60,13 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disable-by-batch-size", type=int, default=32)
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="cuda: batch 1's tok/s is 1 / ITL")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a quick check of the script")
-    parser.add_argument(
-        "--result-file", type=Path, default=common.RESULTS_DIR / "speculative_decoding_cpu.json"
-    )
+    parser.add_argument("--result-file", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.result_file is None:
+        args.result_file = common.default_result_file(
+            "speculative_decoding", args.device, "embedded"
+        )
     if args.smoke:
         args.batch_sizes, args.max_tokens, args.repeats = [1, 3], 8, 1
     return args
@@ -138,7 +141,13 @@ def main(argv: list[str] | None = None) -> None:
         draft = first_layers(DEFAULT_MODEL, args.draft_layers, Path(scratch.name))
         configs["draft_model"] = shared | {"model": str(draft)}
     engines = {
-        name: LLM(str(DEFAULT_MODEL), dtype=args.dtype, seed=args.seed, speculative_config=config)
+        name: LLM(
+            str(DEFAULT_MODEL),
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            speculative_config=config,
+        )  # fmt: skip
         for name, config in configs.items()
     }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     scratch.cleanup()
     result = {
-        **common.result_header("speculative_decoding", "cpu"),
+        **common.result_header("speculative_decoding", args.device),
         "model": DEFAULT_MODEL.name,
         "settings": {
             "speculative_config": {k: v for k, v in configs.items() if v is not None},
