@@ -3,12 +3,16 @@ completion request, and the response and stream chunk."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from octavo.engine.errors import ParameterError
+from octavo.engine.structured_outputs import StructuredOutputsParams
 from octavo.server.protocol import (
     UNSUPPORTED_VLLM_FIELDS,
     GenerationRequest,
@@ -18,6 +22,14 @@ from octavo.server.protocol import (
     Usage,
     check_unicode,
 )
+from octavo.server.tool_calls import (
+    MAX_TOOLS,
+    ChatTool,
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
+    forced_schema,
+)
 
 # Bounds on a conversation, checked before the template runs (the body limit bounds bytes).
 MAX_CHAT_MESSAGES = 1024
@@ -25,7 +37,7 @@ MAX_TEMPLATE_KWARGS = 64
 # A chat request's fields that this server cannot honour: a 400 names them.
 UNSUPPORTED_CHAT_FIELDS = (
     *UNSUPPORTED_VLLM_FIELDS,
-    "tools", "functions", "function_call", "audio", "prediction", "web_search_options",
+    "functions", "function_call", "audio", "prediction", "web_search_options",
     # vLLM's chat extras: a request-supplied template (only the server's is trusted), RAG
     # documents for the template, and echo of the last message.
     "chat_template", "documents", "echo",
@@ -72,8 +84,25 @@ class ChatMessage(BaseModel):
         return self.content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template reads it: role, text content, and the rest."""
-        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        """The message as a chat template reads it: role, text content, and the rest. An
+        assistant's tool calls carry their arguments parsed, as templates written for
+        transformers expect them (OpenAI sends them as JSON text)."""
+        message = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_parsed_arguments(call) for call in calls]
+        return message
+
+
+def _parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -94,12 +123,69 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: (
         Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None
     ) = None
+    # OpenAI's tool calling (server/tool_calls.py); tool_choice None: "auto" with tools,
+    # else "none".
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    @field_validator("chat_template_kwargs")
+    @field_validator("chat_template_kwargs", "tools")
     @classmethod
-    def _kwargs_unicode(cls, value):
-        check_unicode(value, "chat_template_kwargs")
+    def _kwargs_unicode(cls, value, info):
+        check_unicode(jsonable_tools(value), info.field_name)
         return value
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise PydanticCustomError(
+                "tools",
+                "function names must be unique, got {names}",
+                {"field": "tools", "names": names},
+            )
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError(
+                "tool_choice",
+                "the function {name} is not among the request's tools",
+                {"field": "tool_choice", "name": repr(choice.function.name)},
+            )
+        if choice == "required" and not names:
+            raise PydanticCustomError(
+                "tool_choice", '"required" needs tools to choose from', {"field": "tool_choice"}
+            )
+        return self
+
+    @property
+    def tool_choice_mode(self) -> ToolChoice:
+        """tool_choice as it applies: its default is "auto" with tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def constraint_fields(self) -> list[str]:
+        """The base's, and "tools" when tool_choice forces a call (the tools' schema is the
+        constraint then)."""
+        given = super().constraint_fields
+        if self.tools and self._forces_call:
+            given.append("tools")
+        return given
+
+    @property
+    def _forces_call(self) -> bool:
+        return isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        if not (self.tools and self._forces_call):
+            return super().structured_outputs_params()
+        assert self.tool_choice is not None
+        schema = forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ParameterError as exc:
+            raise ParameterError("tools", str(exc)) from exc
 
     def max_new_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -116,7 +202,16 @@ class ChatCompletionRequest(GenerationRequest):
             return "max_completion_tokens"
         if param == "logprobs" and self.top_logprobs is not None:
             return "top_logprobs"
+        if param.startswith("structured_outputs") and "tools" in self.constraint_fields:
+            return "tools"  # a forced call's constraint is the tools' schemas
         return super().client_param(param)
+
+
+def jsonable_tools(value: Any) -> Any:
+    """A field's value as plain data (tools are models) for the Unicode check."""
+    if isinstance(value, list):
+        return [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+    return value
 
 
 def chat_completion_id() -> str:
@@ -145,6 +240,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):

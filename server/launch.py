@@ -107,6 +107,7 @@ def build_server(
         args.chat_template, engine_config.model, engine_config.load_format
     )
     api_key = _api_key(args.api_key)
+    tool_call_parser = _tool_call_parser(args)
     threads = model_threads(args)
     # An API process runs no model and imports no torch; only an engine core does.
     if shared_core is not None:
@@ -130,9 +131,23 @@ def build_server(
         max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
         allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
         chat_template=chat_template,
+        tool_call_parser=tool_call_parser,
         metrics_dir=os.environ.get(PROMETHEUS_DIR_ENV),
     )
     return engine, create_app(engine, config)
+
+
+def _tool_call_parser(args: ServerArgs) -> str | None:
+    """The parser of tool_choice "auto": --tool-call-parser, which --enable-auto-tool-choice
+    needs (vLLM's rule); None without --enable-auto-tool-choice. ValueError naming a flag."""
+    from octavo.server.tool_calls import TOOL_CALL_PARSERS
+
+    parser = args.tool_call_parser
+    if parser is not None and parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got {parser!r}")
+    if args.enable_auto_tool_choice and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return parser if args.enable_auto_tool_choice else None
 
 
 def default_api_server_count(config: EngineConfig) -> int:

@@ -232,7 +232,8 @@ class GenerationRequest(BaseModel, ABC):
             raise PydanticCustomError(
                 "one_constraint",
                 "{field}: only one of response_format, guided_json, guided_regex, "
-                "guided_choice, guided_grammar and structured_outputs may be set",
+                "guided_choice, guided_grammar, structured_outputs and a forced tool_choice "
+                "may be set",
                 {"field": given[1]},
             )
         return self

@@ -75,6 +75,18 @@ class ServerArgs:
         "semantics): a file, or the template itself (default: the checkpoint's "
         "tokenizer_config.json chat_template; GPT-2 has none)",
     )
+    enable_auto_tool_choice: bool = _option(
+        False,
+        'answer tool_choice "auto" (the default when a request has tools): the model decides '
+        "whether to call a tool, and --tool-call-parser finds the calls in its text; without "
+        'it, "auto" with tools is a 400 (forced calls, a named function or "required", work '
+        "on any model without it)",
+    )
+    tool_call_parser: str | None = _option(
+        None,
+        "how tool calls appear in the model's text, with --enable-auto-tool-choice: hermes "
+        '(<tool_call>{"name": ..., "arguments": ...}</tool_call>)',
+    )
     max_n: int | None = _option(
         None,
         f"largest n / best_of per request (default: max_num_seqs / {DEFAULT_MAX_N_SHARE}), so "

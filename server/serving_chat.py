@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,9 +35,10 @@ from octavo.server.serving_engine import (
 from octavo.server.stream_builder import ChoiceState, StreamBuilder
 from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta, jsonable
 from octavo.server.streaming import EventStreamResponse
+from octavo.server.tool_calls import ToolCallParser, make_parser
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 class ChatServing(EngineServing):
@@ -81,6 +84,18 @@ class ChatServing(EngineServing):
                 "add_generation_prompt: false",
                 param="continue_final_message",
             )
+        if (
+            request.tools
+            and request.tool_choice_mode == "auto"
+            and not self.config.tool_call_parser
+        ):
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                '"auto" tool choice (the default with tools) needs the server started with '
+                "--enable-auto-tool-choice and --tool-call-parser; a named function or "
+                '"required" works without them',
+                param="tool_choice",
+            )
         reserved = RESERVED_TEMPLATE_VARIABLES & (request.chat_template_kwargs or {}).keys()
         if reserved:
             raise APIError(
@@ -95,10 +110,11 @@ class ChatServing(EngineServing):
         message's text ends (whatever the template closes the turn with is cut off), so the
         model continues that message."""
         messages = [message.for_template() for message in request.messages]
+        variables = dict(request.chat_template_kwargs or {})
+        if request.tools:  # as transformers' apply_chat_template(tools=...) passes them
+            variables["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
         try:
-            prompt = template.render(
-                messages, request.add_generation_prompt, **(request.chat_template_kwargs or {})
-            )
+            prompt = template.render(messages, request.add_generation_prompt, **variables)
         except ParameterError as exc:
             raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
         final = request.messages[-1].text()
@@ -132,16 +148,18 @@ class ChatServing(EngineServing):
         assert final is not None and final.finished
         if final.metrics is not None:
             self.metrics.observe_finished(final.metrics)
-        choices = [
-            ChatCompletionChoice(
-                index=completion.index,
-                message=AssistantMessage(content=completion.text),
-                logprobs=self._logprobs(completion, request),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in final.outputs:
+            content, tool_calls = self.tool_parser(request).parse(completion.text)
+            choices.append(
+                ChatCompletionChoice(
+                    index=completion.index,
+                    message=AssistantMessage(content=content, tool_calls=tool_calls),
+                    logprobs=self._logprobs(completion, request),
+                    finish_reason=finish_reason(completion.finish_reason, bool(tool_calls)),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in final.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             model=self.config.served_model_name,
@@ -152,6 +170,12 @@ class ChatServing(EngineServing):
                 final.num_cached_tokens or 0,
             ),
             prompt_logprobs=self.vllm_prompt_logprobs(final, request),
+        )
+
+    def tool_parser(self, request: ChatCompletionRequest) -> ToolCallParser:
+        """A new parser of one choice's text, by the request's tool_choice."""
+        return make_parser(
+            request.tool_choice_mode, bool(request.tools), self.config.tool_call_parser
         )
 
     def _logprobs(
@@ -181,13 +205,25 @@ class ChatServing(EngineServing):
         return TopLogprob(token=self.token_text(token), logprob=logprob, bytes=token_bytes)
 
 
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice's finish_reason: "tool_calls" where it called tools and ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletionChunk]):
     """A chat stream, as OpenAI's: each choice's first chunk carries the role, then one chunk
     per delta output of a choice, the last with its finish_reason. The prompt's logprobs,
-    when asked for, come once, with the first output."""
+    when asked for, come once, with the first output. With tools, each choice's text goes
+    through its tool-call parser: a chunk carries the content and tool-call deltas it
+    released."""
 
     chunk_type = ChatCompletionChunk
-    _prompt_scored = False  # whether the prompt's logprobs are out (set per stream)
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._prompt_scored = False  # whether the prompt's logprobs are out
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, from its first output
+        self._called: set[int] = set()  # the choices that called a tool
 
     def opening(self) -> list[ChatCompletionChunk]:
         role = ChatDelta(role="assistant", content="")
@@ -201,11 +237,15 @@ class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletio
     ) -> ChatCompletionChunk:
         serving, request = self.serving, self.request
         choice.tokens += len(completion.token_ids)
+        delta = ChatDelta(content=completion.text)
+        reason = completion.finish_reason
+        if request.tools:
+            delta, reason = self._tool_delta(completion, choice.index)
         chunk_choice = ChatChunkChoice(
             index=choice.index,
-            delta=ChatDelta(content=completion.text),
+            delta=delta,
             logprobs=jsonable(serving._logprobs(completion, request)),
-            finish_reason=completion.finish_reason,
+            finish_reason=reason,
             stop_reason=completion.stop_reason,
         )
         chunk = self.chunk([chunk_choice])
@@ -213,3 +253,18 @@ class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletio
             chunk.prompt_logprobs = jsonable(serving.vllm_prompt_logprobs(output, request))
             self._prompt_scored = True
         return chunk
+
+    def _tool_delta(self, completion: CompletionOutput, index: int) -> tuple[ChatDelta, str | None]:
+        """The delta and finish_reason of a choice's output read by its tool-call parser."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self.serving.tool_parser(self.request)
+        parts = [parser.feed(completion.text)]
+        if completion.finish_reason is not None:
+            parts.append(parser.finish())
+        calls = [call.jsonable() for part in parts for call in part.tool_calls]
+        if calls:
+            self._called.add(index)
+        content = "".join(part.content for part in parts)
+        delta = ChatDelta(content=content or None, tool_calls=calls or msgspec.UNSET)
+        return delta, finish_reason(completion.finish_reason, index in self._called)

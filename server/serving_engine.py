@@ -60,6 +60,9 @@ class ServerConfig:
     max_n: int | None = None
     allowed_hosts: tuple[str, ...] | None = None
     chat_template: ChatTemplate | None = None
+    # tool_choice "auto": the parser of the model's calls (--tool-call-parser, only with
+    # --enable-auto-tool-choice); None answers "auto" with tools with a 400.
+    tool_call_parser: str | None = None
     # prometheus-client's multiprocess folder when several API processes share /metrics.
     metrics_dir: str | None = None
 

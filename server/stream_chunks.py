@@ -47,10 +47,13 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, gc=False):
-    """What a chat chunk adds to its choice's message: the role (the first chunk), text."""
+    """What a chat chunk adds to its choice's message: the role (the first chunk), text,
+    and tool-call deltas (OpenAI's streamed shape; the field is left out of chunks that
+    have none)."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: Jsonable | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True, gc=False):

@@ -26,6 +26,25 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# ChatML with Hermes-style tools (as Qwen's and Hermes' templates, shortened for the tiny
+# model's 256 positions): the tools' names in a system turn, an assistant's calls as
+# <tool_call> blocks, tool results as <tool_response> in a user turn.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: "
+    "{% for tool in tools %}{{ tool['function']['name'] }} {% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "<|im_start|>assistant\n{% for call in message['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "\n</tool_call>\n{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 STARTUP_TIMEOUT_S = 60
 STREAM_TIMEOUT_S = 60
 

@@ -212,7 +212,7 @@ def test_chat_takes_the_completion_parameters(http, client):
         ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
         ({"continue_final_message": True}, "continue_final_message"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"preamble": 3}}, "messages"),  # the template raised
