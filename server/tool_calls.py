@@ -81,7 +81,38 @@ def tool_call_id() -> str:
 
 
 def function_parameters(function: FunctionDefinition) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else {"type": "object"}
+    """The schema a forced call's arguments follow: the function's parameters with every
+    object that lists properties closed to others (`additionalProperties: false` where the
+    schema does not say), as OpenAI's strict mode requires them. Left open, a grammar lets
+    a model that is not trained on the tool add keys without end, the call never ending;
+    a schema that wants more keys says so."""
+    if function.parameters is None:
+        return {"type": "object"}
+    return _closed(function.parameters)
+
+
+# Keywords whose value is a schema, a list of schemas, or a mapping to schemas.
+_SCHEMA_KEYWORDS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _closed(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    if isinstance(closed.get("properties"), dict) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    for key in _SCHEMA_KEYWORDS:
+        if key in closed:
+            closed[key] = _closed(closed[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [_closed(item) for item in closed[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _closed(value) for name, value in closed[key].items()}
+    return closed
 
 
 def forced_schema(

@@ -145,3 +145,15 @@ def test_flags_parse_and_a_bad_setting_fails_without_loading_torch():
     run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
     assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
     assert "block_size must be a power of two" in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"], "--tool-call-parser"),
+    ],
+)
+def test_auto_tool_choice_flags_are_checked_at_start(capsys, flags, message):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -61,7 +61,8 @@ def check_answer(response: httpx.Response, changes: dict) -> None:
         assert '"error"' not in response.text, response.text
     else:
         choices = response.json()["choices"]
-        assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices)
+        reasons = ("stop", "length", "tool_calls")
+        assert choices and all(c["finish_reason"] in reasons for c in choices)
 
 
 # Both fuzzers: reproducible, and slow examples (a generation each) are expected.
@@ -83,13 +84,39 @@ CHAT_FIELDS = [
     "messages", "max_tokens", "max_completion_tokens", "temperature", "n", "stream",
     "stream_options", "logprobs", "top_logprobs", "stop", "seed", "logit_bias", "best_of",
     "use_beam_search", "prompt_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "tools", "response_format", "made_up_field",
+    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "made_up_field",
 ]  # fmt: skip
 MESSAGE = st.fixed_dictionaries(
     {}, optional={"role": ANYTHING, "content": ANYTHING, "name": ANYTHING}
 )
-# A chat field's value: anything, or a list of (odd) messages.
-CHAT_VALUES = st.one_of(ANYTHING, st.lists(st.one_of(MESSAGE, ANYTHING), max_size=3))
+# Tools and tool choices near the valid ones: a name that may or may not be valid, odd
+# parameter schemas, the modes and named choices.
+TOOL_NAME = st.sampled_from(["f", "get_weather", "", "bad name", "x" * 65])
+PARAMETERS = st.one_of(
+    ANYTHING,
+    st.sampled_from([
+        {"type": "object"}, {"type": "nonsense"}, {"type": "integer", "minimum": 5, "maximum": 1},
+        {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}},
+         "required": ["a"]},
+        {"$ref": "#/nowhere"},
+    ]),
+)  # fmt: skip
+TOOL = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "web_search"])},
+    optional={"function": st.fixed_dictionaries(
+        {"name": TOOL_NAME}, optional={"parameters": PARAMETERS, "strict": ANYTHING})},
+)  # fmt: skip
+TOOL_CHOICE = st.one_of(
+    st.sampled_from(["none", "auto", "required", "any"]),
+    st.fixed_dictionaries({"type": st.just("function"),
+                           "function": st.fixed_dictionaries({"name": TOOL_NAME})}),
+)  # fmt: skip
+# A chat field's value: anything, a list of (odd) messages, tools or a tool choice.
+CHAT_VALUES = st.one_of(
+    ANYTHING, st.lists(st.one_of(MESSAGE, ANYTHING), max_size=3), st.lists(TOOL, max_size=3),
+    TOOL_CHOICE,
+)  # fmt: skip
 SMALL_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
 
