@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what type checkers see (re-exported); at run time __getattr
     from octavo.engine.frontend.llm_engine import LLMEngine as LLMEngine
     from octavo.engine.frontend.outputs import CompletionOutput as CompletionOutput
     from octavo.engine.frontend.outputs import RequestOutput as RequestOutput
+    from octavo.engine.lora_request import LoRARequest as LoRARequest
     from octavo.engine.sampling_params import BeamSearchParams as BeamSearchParams
     from octavo.engine.sampling_params import RequestOutputKind as RequestOutputKind
     from octavo.engine.sampling_params import SamplingParams as SamplingParams
@@ -27,6 +28,7 @@ _EXPORTS = {
     "CompletionOutput": "octavo.engine.frontend.outputs",
     "EngineConfig": "octavo.engine.config",
     "LLMEngine": "octavo.engine.frontend.llm_engine",
+    "LoRARequest": "octavo.engine.lora_request",
     "RequestOutput": "octavo.engine.frontend.outputs",
     "RequestOutputKind": "octavo.engine.sampling_params",
     "SamplingParams": "octavo.engine.sampling_params",

@@ -123,6 +123,24 @@ class EngineConfig:
                   "wherever decode steps replay CUDA graphs, since an eager step that "
                   "prefills is bound by the host's launches"},
     )  # fmt: skip
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "serve LoRA adapters (PEFT's format: adapter_config.json and "
+                  "adapter_model.safetensors) over the base model, requests of several "
+                  "adapters and of the base in one batch. CUDA graphs are not captured "
+                  "with it"},
+    )  # fmt: skip
+    max_loras: int = field(
+        default=1, metadata={"help": "with --enable-lora: distinct adapters in one batch"}
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "with --enable-lora: the largest adapter rank served"}
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={"help": "with --enable-lora: adapters kept loaded in host memory (default: "
+                  "--max-loras); others are read again from their folder when used"},
+    )  # fmt: skip
     enable_prefix_caching: bool = field(
         default=True,
         metadata={"help": "reuse the KV blocks of prompt prefixes computed before (full "
@@ -203,6 +221,18 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # refused at start, by name
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError(
+                "speculative_config: speculative decoding with LoRA adapters is not "
+                "supported; leave one of --speculative-config and --enable-lora unset"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
 
@@ -239,9 +269,13 @@ class EngineConfig:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Whether decode steps replay CUDA graphs: Triton attention on CUDA, not eager."""
+        """Whether decode steps replay CUDA graphs: Triton attention on CUDA, not eager, no
+        LoRA (the step's rows per adapter are not an input of the captured graphs)."""
         return (
-            self.device_type == "cuda" and self.backend_name == "triton" and not self.enforce_eager
+            self.device_type == "cuda"
+            and self.backend_name == "triton"
+            and not self.enforce_eager
+            and not self.enable_lora
         )
 
     @property

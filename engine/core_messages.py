@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -25,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     all_stop_token_ids: list[int]
     sampling_params: SamplingParams | None = None
     beam_params: BeamSearchParams | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:

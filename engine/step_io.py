@@ -111,6 +111,9 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     new_constrained_beams: dict[int, str] = field(default_factory=dict)
     beam_choices: list[BeamChoice] = field(default_factory=list)
+    # The LoRA adapter of each sequence in `block_tables` that runs with one (the worker
+    # keeps it with the sequence's row).
+    lora_int_ids: dict[int, int] = field(default_factory=dict)
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
     num_draft_tokens: int = 0  # of all scheduled sequences (0: each samples once at most)
 

@@ -26,6 +26,12 @@ class _BlockNames:
     num_registered: int = 0
 
 
+def root_hash(lora_int_id: int) -> bytes:
+    """The parent hash of a sequence's first block: the same prompt under two LoRA adapters
+    (or an adapter and the base) has other K/V, so other names."""
+    return ROOT_HASH if not lora_int_id else b"lora:%d" % lora_int_id
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation is attempted without checking `num_new_blocks_needed`
     against `num_free_blocks` first."""
@@ -47,7 +53,8 @@ class BlockManager:
 
     Prefix caching (`enable_prefix_caching`): a full block is named by the SHA-256 of its
     parent block's hash and its token ids, so equal names mean equal K/V (the K/V of a token
-    depends on it and every token before it, nothing else). A sequence's full blocks are
+    depends on it, every token before it and the sequence's LoRA adapter, which names the
+    first block's parent). A sequence's full blocks are
     registered under their names when the scheduler allocates past them (prompt chunks,
     block boundaries) and when the sequence is freed. A registered block nobody holds is
     not forgotten: it waits, least recently released first, in `_evictable`, and counts as
@@ -254,7 +261,7 @@ class BlockManager:
             entry = self._seq_names[seq.seq_id] = _BlockNames()
         names = entry.names
         tokens, size = seq.token_ids, self.block_size
-        parent = names[-1] if names else ROOT_HASH
+        parent = names[-1] if names else root_hash(seq.lora_int_id)
         for index in range(len(names), num_blocks):
             block_tokens = array(TOKEN_TYPECODE, tokens[index * size : (index + 1) * size])
             parent = hashlib.sha256(parent + block_tokens.tobytes()).digest()

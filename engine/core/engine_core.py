@@ -30,6 +30,7 @@ from octavo.engine.core_messages import (
     ModelLimits,
 )
 from octavo.engine.errors import ParameterError
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.sampling_params import BeamSearchParams
 from octavo.engine.speculative import SpeculativeConfig, can_speculate, propose_ngram
 from octavo.engine.step_io import SchedulerOutput
@@ -39,6 +40,7 @@ from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
 from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
 from octavo.engine.worker.draft_model import DraftModelProposer, DraftRequest
 from octavo.engine.worker.grammar import GrammarMatchers
+from octavo.engine.worker.lora import LoRAManager
 from octavo.engine.worker.model_runner import ModelRunner, StepFuture, profile_activation_bytes
 from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
@@ -136,11 +138,20 @@ class EngineCore:
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.admission_interval
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.admission_interval,
+                config.max_loras,
             ),
             self.block_manager,
             StopChecker(self.eos_token_id),
         )
+        lora = None
+        if config.enable_lora:  # before the runner: it wraps the model's target products
+            lora = LoRAManager(
+                loaded.model, self.model_config, config.max_loras, config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras, dtype, self.device,
+            )  # fmt: skip
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         grammars = GrammarMatchers(
             tokenizer_file(config.model, config.load_format),
@@ -158,6 +169,7 @@ class EngineCore:
             self.device,
             dtype,
             grammars,
+            lora,
         )
         if config.uses_cuda_graphs:
             self.runner.capture_cuda_graphs(
@@ -246,17 +258,37 @@ class EngineCore:
             num_speculative_tokens=(
                 spec.num_speculative_tokens if spec and can_speculate(params) else 0
             ),
+            lora_int_id=self._add_lora(request.lora_request),
         )
         if isinstance(params, BeamSearchParams):
             group.beam = BeamState.create(
                 params, request.all_stop_token_ids, max(max_num_tokens - num_prompt_tokens, 1)
             )
-        seq = Sequence(self.scheduler.new_seq_id(), request.prompt_token_ids)
+        seq = Sequence(
+            self.scheduler.new_seq_id(), request.prompt_token_ids, lora_int_id=group.lora_int_id
+        )
         group.seqs.append(seq)
         self._groups[request.request_id] = group
         if group.needs_sync_steps:
             self._sync_only.add(request.request_id)
         self.scheduler.add(group)
+
+    def _add_lora(self, lora_request: LoRARequest | None) -> int:
+        """The adapter id a request runs with (0: the base), its adapter checked and loaded;
+        ParameterError naming lora_request (LoRA off) or lora_path (an adapter it cannot
+        serve)."""
+        if lora_request is None:
+            return 0
+        if not self.config.enable_lora:
+            raise ParameterError(
+                "lora_request", "this engine serves no LoRA adapters: start it with enable_lora"
+            )
+        if lora_request.lora_int_id < 1:
+            raise ParameterError(
+                "lora_request", f"lora_int_id must be >= 1, got {lora_request.lora_int_id}"
+            )
+        self.runner.add_lora(lora_request)
+        return lora_request.lora_int_id
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """Stops a request and frees its blocks now; its final output (finish_reason "abort";

@@ -80,6 +80,8 @@ class SchedulerConfig:
     # Waiting requests are admitted at most every this many steps while others run (at once
     # when nothing runs): the steps between stay decode-only (EngineConfig.prefill_interval).
     prefill_interval: int = 1
+    # Distinct LoRA adapters among the running requests (the model's adapter slots).
+    max_loras: int = 1
 
 
 class Scheduler:
@@ -113,6 +115,9 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompts admitted (each counted once)
         self.num_generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
+        # Whether a request with a LoRA adapter ever came: only then does a step list the
+        # adapters of its new tables (SchedulerOutput.lora_int_ids).
+        self._saw_adapters = False
         self._num_running_seqs: int | None = None  # None: to be recounted
         self._steps_since_admission = 0  # schedule() calls since one admitted a group
         # Per sequence sampled so far (until it finishes): its row (see _sample_row).
@@ -140,6 +145,7 @@ class Scheduler:
 
     def add(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
+        self._saw_adapters = self._saw_adapters or bool(group.lora_int_id)
 
     def abort(self, group: SequenceGroup) -> None:
         """Finishes a queued request (waiting or running) as aborted and frees its blocks at
@@ -213,6 +219,8 @@ class Scheduler:
                 break
             if any(seq.num_pending_tokens for seq in seqs):
                 break  # preempted with a token in flight: recomputed once it has arrived
+            if group.lora_int_id and not self._lora_fits(group.lora_int_id):
+                break  # its adapter waits for a slot (first come, first served)
             num_cached = self._take_cached_prefix(group, seqs)
             scheduled = self._schedule_group(group, budget, step)
             if scheduled is None:
@@ -238,6 +246,7 @@ class Scheduler:
             scheduled=step.decodes + step.prefills,
             blocks_to_copy=bm.take_copies(),
             block_tables={seq_id: list(bm.block_tables[seq_id]) for seq_id in changed},
+            lora_int_ids=self._lora_int_ids(changed) if changed and self._saw_adapters else {},
             new_sampled=self._new_sampled,
             freed_seq_ids=freed,
             finished_seq_ids=self._finished_seq_ids,
@@ -249,6 +258,22 @@ class Scheduler:
         self._new_sampled, self._finished_seq_ids = [], []
         self._new_constrained_beams, self._beam_choices = {}, []
         return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
+
+    def _lora_fits(self, lora_int_id: int) -> bool:
+        """Whether a request of this adapter can run beside the running ones: its adapter
+        is among theirs, or they use fewer than max_loras."""
+        running = {group.lora_int_id for group in self.running if group.lora_int_id}
+        return lora_int_id in running or len(running) < self.config.max_loras
+
+    def _lora_int_ids(self, seq_ids: set[int]) -> dict[int, int]:
+        """The adapter of each sequence of `seq_ids` that runs with one."""
+        return {
+            seq.seq_id: group.lora_int_id
+            for group in self.running
+            if group.lora_int_id
+            for seq in group.seqs
+            if seq.seq_id in seq_ids
+        }
 
     def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
         """Gives a sequence about to be admitted the cached blocks of its longest prefix and

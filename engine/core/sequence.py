@@ -65,6 +65,8 @@ class Sequence:
     # Draft tokens proposed to follow `token_ids` (speculative decoding), verified by the
     # next step that schedules them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (0: the base model); its K/V depend on it.
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -105,7 +107,7 @@ class Sequence:
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy sharing nothing mutable with this one (block sharing is the BlockManager's);
         `index` is the child's sample index."""
-        child = Sequence(seq_id, self.prompt_token_ids, index)
+        child = Sequence(seq_id, self.prompt_token_ids, index, lora_int_id=self.lora_int_id)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
@@ -143,6 +145,8 @@ class SequenceGroup:
     num_cached_tokens: int | None = None
     # Draft tokens it may speculate a step (0: none; see engine/speculative.py).
     num_speculative_tokens: int = 0
+    # The LoRA adapter its sequences run with (0: the base model).
+    lora_int_id: int = 0
     # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
     # reads it for every running request of every step.
     num_sequences: int = field(init=False)

@@ -21,6 +21,7 @@ from octavo.engine.frontend.input_processor import InputProcessor, ProcessedProm
 from octavo.engine.frontend.output_processor import OutputProcessor, RequestState
 from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.frontend.tokenizer import Tokenizer, load_tokenizer
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ class AsyncEngine:
         prompt: ProcessedPrompt,
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queues a validated request and returns its output stream (call on the loop).
 
@@ -259,7 +261,9 @@ class AsyncEngine:
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time
         )
-        request = self.input_processor.core_request(request_id, prompt, params, arrival_time)
+        request = self.input_processor.core_request(
+            request_id, prompt, params, arrival_time, lora_request
+        )
         self._pending.requests.append(request)
         self._num_requests_sent += 1
         self._schedule_flush()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
 from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.tokenizer import Tokenizer
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.stop_rules import length_limit, stop_token_set
 from octavo.engine.structured_outputs import compile_grammar
@@ -68,16 +69,19 @@ class InputProcessor:
         prompt: ProcessedPrompt,
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The request the core takes: with its stop tokens computed, once, here."""
         stops = self._stop_token_ids(params)
         if isinstance(params, BeamSearchParams):
             return EngineCoreRequest(
-                request_id, prompt.token_ids, arrival_time, stops, beam_params=params
-            )
+                request_id, prompt.token_ids, arrival_time, stops, beam_params=params,
+                lora_request=lora_request,
+            )  # fmt: skip
         return EngineCoreRequest(
-            request_id, prompt.token_ids, arrival_time, stops, sampling_params=params
-        )
+            request_id, prompt.token_ids, arrival_time, stops, sampling_params=params,
+            lora_request=lora_request,
+        )  # fmt: skip
 
     def _stop_token_ids(self, params: SamplingParams | BeamSearchParams) -> list[int]:
         return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_id)

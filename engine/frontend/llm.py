@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from octavo.engine.config import EngineConfig
 from octavo.engine.frontend.llm_engine import LLMEngine
 from octavo.engine.frontend.outputs import RequestOutput
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int]
@@ -45,8 +46,11 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one RequestOutput per prompt, in prompt order."""
+        """Generates for every prompt; returns one RequestOutput per prompt, in prompt order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the
+        base model); needs enable_lora."""
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -59,8 +63,16 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
                 )
         final_only = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"lora_request has {len(loras)} entries for {len(prompts)} prompts"
+                )
         request_ids = [str(next(self._request_ids)) for _ in prompts]
-        self._add_all(request_ids, prompts, final_only)
+        self._add_all(request_ids, prompts, final_only, loras)
         return self._run(request_ids, use_tqdm)
 
     def beam_search(
@@ -82,12 +94,21 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _add_all(self, request_ids: list[str], prompts: list[PromptType], params_list) -> None:
+    def _add_all(
+        self,
+        request_ids: list[str],
+        prompts: list[PromptType],
+        params_list,
+        loras: list[LoRARequest | None] | None = None,
+    ) -> None:
         """Adds every request, or none: a bad one aborts those already added and raises."""
         added: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True):
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, lora in zip(
+                request_ids, prompts, params_list, loras, strict=True
+            ):
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 added.append(request_id)
         except ValueError:
             for request_id in added:

@@ -14,6 +14,7 @@ from octavo.engine.frontend.input_processor import InputProcessor, ProcessedProm
 from octavo.engine.frontend.output_processor import OutputProcessor
 from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.frontend.tokenizer import load_tokenizer
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 from octavo.engine.worker.model_runner import ModelRunner
 from octavo.engine.worker.models.configs import GPT2Config
@@ -77,14 +78,18 @@ class LLMEngine:
         prompt: str | list[int] | ProcessedPrompt,
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validates and queues a request; raises ValueError naming the offending parameter."""
+        """Validates and queues a request (with `lora_request`, under that LoRA adapter);
+        raises ValueError naming the offending parameter."""
         if self.output_processor.has_request(request_id):
             raise ParameterError("request_id", f"request_id {request_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_inputs(prompt, params)
         arrival_time = arrival_time or time.monotonic()
-        request = self.input_processor.core_request(request_id, prompt, params, arrival_time)
+        request = self.input_processor.core_request(
+            request_id, prompt, params, arrival_time, lora_request
+        )
         self.core.add_request(request)
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time

@@ -46,6 +46,8 @@ class HostBatch:
     pending_rows: np.ndarray
     pending_seq_ids: list[int]
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
+    # Each token's LoRA adapter (0: the base); None when no sequence has one.
+    token_lora_ids: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -120,6 +122,9 @@ class InputBatch:
         # One row per running sequence; doubled if ever full (a step's freed rows are
         # returned before its new ones are taken, so max_num_seqs rows normally suffice).
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        # Each row's LoRA adapter (0: the base); read only once some sequence had one.
+        self.row_lora = np.zeros(max_num_seqs, dtype=np.int64)
+        self._serves_adapters = False
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(len(self.block_table) - 1, -1, -1))
 
@@ -131,6 +136,7 @@ class InputBatch:
         if not self._free_rows:
             old = len(self.block_table)
             self.block_table = np.concatenate((self.block_table, np.zeros_like(self.block_table)))
+            self.row_lora = np.concatenate((self.row_lora, np.zeros_like(self.row_lora)))
             self._free_rows = list(range(len(self.block_table) - 1, old - 1, -1))
         row = self._free_rows.pop()
         self._row_of[seq_id] = row
@@ -184,10 +190,13 @@ class InputBatch:
                 self._keeping_outputs.add(new.seq_id)
             if state.matcher is not None:
                 self._constrained.add(new.seq_id)
+        lora_int_ids = output.lora_int_ids
+        self._serves_adapters = self._serves_adapters or bool(lora_int_ids)
         for seq_id, blocks in output.block_tables.items():
             row = self._row_of.get(seq_id)
             if row is None:
                 row = self._add(seq_id)
+                self.row_lora[row] = lora_int_ids.get(seq_id, 0)
             self.block_table[row, : len(blocks)] = blocks
 
     def _follow_beams(self, output: SchedulerOutput) -> None:
@@ -290,6 +299,7 @@ class InputBatch:
             pending_rows=pending_rows.astype(np.int64),
             pending_seq_ids=[scheduled[k].seq_id for k in pending_rows.tolist()],
             prompt_logprobs=self._prompt_logprobs(output, cu_seqlens_q),
+            token_lora_ids=self.row_lora[token_rows] if self._serves_adapters else None,
         )
 
     @staticmethod

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from octavo.engine.core_messages import PromptLogprobs
+from octavo.engine.lora_request import LoRARequest
 from octavo.engine.step_io import (
     BeamCandidates,
     GrammarProgress,
@@ -21,6 +22,7 @@ from octavo.engine.worker.cuda_graphs import DecodeGraphs
 from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher, CUDAGraphMode
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
+from octavo.engine.worker.lora import LoRAManager
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
 from octavo.engine.worker.sampler import SampledTokens, Sampler
@@ -131,8 +133,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         grammars: GrammarMatchers,
+        lora: LoRAManager | None = None,
     ):
         config = model.config
+        self.lora = lora  # the model's adapter slots, with enable_lora
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -182,6 +186,11 @@ class ModelRunner:
             if piecewise_max_tokens is None
             else PiecewiseGraphs(self.model, self.kv_cache, piecewise_max_tokens, capture=True),
         )  # fmt: skip
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Checks and loads a request's adapter; ParameterError naming what is wrong."""
+        assert self.lora is not None, "LoRA requests reach an engine with enable_lora only"
+        self.lora.add(request)
 
     def apply_changes(self, output: SchedulerOutput) -> None:
         """A step with nothing to run: the worker's rows still follow what the scheduler
@@ -281,6 +290,8 @@ class ModelRunner:
         self, batch: HostBatch, pending: PendingInputs | None, uniform_decode: bool
     ) -> torch.Tensor:
         """The step's hidden states [tokens, C], run the way the dispatcher chooses."""
+        if self.lora is not None:
+            self.lora.prepare(batch.token_lora_ids, self.device)
         mode = self.dispatcher.dispatch(len(batch.input_ids), uniform_decode)
         if mode is CUDAGraphMode.FULL:
             assert self.dispatcher.full is not None

@@ -115,7 +115,13 @@ class GPT2MLP(nn.Module):
         self.tanh_gelu = self.act is _tanh_gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tanh_gelu and x.is_cuda and x.dtype in EPILOGUE_GELU_DTYPES:
+        # (A LoRA-wrapped c_fc, lora.py, has no plain weight: it takes the op-by-op path.)
+        if (
+            self.tanh_gelu
+            and x.is_cuda
+            and x.dtype in EPILOGUE_GELU_DTYPES
+            and isinstance(self.c_fc, Linear)
+        ):
             # On CUDA, c_fc's bias and the tanh GELU run in the matrix product's epilogue
             # (cuBLASLt's GELU_BIAS): one launch fewer per layer. Not on the CPU, where this
             # op applies the erf GELU instead. test_gpu_parity holds it to the tanh GELU at

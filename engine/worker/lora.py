@@ -1,0 +1,197 @@
+"""LoRA adapters in PEFT's format (engine/lora_adapter.py), many served at once over one
+base model: a row x of an adapted request gets `x @ A.T @ B.T * scaling` added to a target
+product's output. The base weights are never changed, so rows of different adapters and of
+the base run in one step.
+
+`LoRALayers` replaces each target product by a `LoRALinear` holding `max_loras` slots of
+stacked, zero-padded A and B (scaling folded into B), filled as adapters become active;
+`LoRAManager` loads and checks adapters (a CPU cache of `max_cpu_loras`), gives each
+adapter of a step a slot, and hands the layers the step's rows per slot (`LoRABatch`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import cast
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from octavo.engine.lora_adapter import ADAPTER_WEIGHTS, TARGETS, read_adapter, target_shape
+from octavo.engine.lora_request import LoRARequest
+from octavo.engine.worker.models.configs import GPT2Config
+from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: per adapted module ("h.{layer}.{target}"), A [rank, in] and
+    B [out, rank] with the scaling folded in."""
+
+    lora_int_id: int
+    rank: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_adapter(request: LoRARequest, config: GPT2Config, max_rank: int) -> LoRAAdapter:
+    """The adapter's factors, after lora_adapter.read_adapter's checks (ParameterError
+    naming lora_path)."""
+    spec = read_adapter(request.lora_name, request.lora_path, config, max_rank)
+    tensors = load_file(spec.path / ADAPTER_WEIGHTS)
+    weights = {
+        module: (tensors[a].float(), tensors[b].float() * spec.scaling)
+        for module, (a, b) in spec.modules.items()
+    }
+    return LoRAAdapter(request.lora_int_id, spec.rank, weights)
+
+
+@dataclass
+class LoRABatch:
+    """A step's rows per adapter slot, shared by every LoRALinear: (slot, rows) pairs,
+    rows None when the slot's adapter has every row of the step."""
+
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """A product with `max_loras` adapter slots beside it: base(x), plus for the rows of
+    each slot of the step x @ A[slot].T @ B[slot].T (an empty slot is zeros)."""
+
+    def __init__(
+        self, base: nn.Module, in_features: int, out_features: int, max_loras: int,
+        max_rank: int, batch: LoRABatch, dtype: torch.dtype, device: torch.device,
+    ):  # fmt: skip
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        # Plain tensors, not buffers: no state dict holds them.
+        self.lora_a = torch.zeros((max_loras, max_rank, in_features), dtype=dtype, device=device)
+        self.lora_b = torch.zeros((max_loras, out_features, max_rank), dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Fills `slot` with (A, B) (zero-padded to max_rank), or zeros."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if factors is not None:
+            a, b = factors
+            rank = a.shape[0]
+            self.lora_a[slot, :rank].copy_(a)
+            self.lora_b[slot, :, :rank].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        for slot, rows in self.batch.groups:
+            if rows is None:
+                out = out + (x @ self.lora_a[slot].t()) @ self.lora_b[slot].t()
+            else:
+                part = x.index_select(0, rows) @ self.lora_a[slot].t()
+                out = out.index_add(0, rows, part @ self.lora_b[slot].t())
+        return out
+
+
+class LoRAManager:
+    """The adapters an engine serves: their checked weights (the `max_cpu_loras` most
+    recently used kept loaded; others reloaded from their folder when needed), and
+    `max_loras` slots in the model's target layers.
+
+    `add` checks an adapter when a request brings it (ParameterError naming lora_path);
+    `prepare` gives the step's adapters slots (a step never has more than max_loras: the
+    scheduler admits no more) and tells the layers which rows are whose.
+    """
+
+    def __init__(
+        self, model: GPT2LMHeadModel, config: GPT2Config, max_loras: int, max_rank: int,
+        max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
+    ):  # fmt: skip
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.batch = LoRABatch()
+        self.layers: dict[str, LoRALinear] = {}
+        for layer, block in enumerate(cast(nn.ModuleList, model.h)):
+            for target in TARGETS:
+                owner_name, product = target.split(".")
+                owner = getattr(block, owner_name)
+                in_features, out_features = target_shape(config, target)
+                wrapped = LoRALinear(
+                    getattr(owner, product), in_features, out_features, max_loras, max_rank,
+                    self.batch, dtype, device,
+                )  # fmt: skip
+                setattr(owner, product, wrapped)
+                self.layers[f"h.{layer}.{target}"] = wrapped
+        self._requests: dict[int, LoRARequest] = {}
+        self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._slot_ids: list[int | None] = [None] * max_loras
+        self._slot_of: dict[int, int] = {}
+
+    def add(self, request: LoRARequest) -> None:
+        """Checks and loads `request`'s adapter (again if its id came with another path)."""
+        known = self._requests.get(request.lora_int_id)
+        if known == request and request.lora_int_id in self._loaded:
+            self._loaded.move_to_end(request.lora_int_id)
+            return
+        adapter = load_adapter(request, self.config, self.max_rank)
+        if known is not None and known != request:
+            self._evict_slot(request.lora_int_id)
+        self._requests[request.lora_int_id] = request
+        self._keep(adapter)
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forgets an adapter (no running sequence uses it)."""
+        self._requests.pop(lora_int_id, None)
+        self._loaded.pop(lora_int_id, None)
+        self._evict_slot(lora_int_id)
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        self._loaded[adapter.lora_int_id] = adapter
+        self._loaded.move_to_end(adapter.lora_int_id)
+        while len(self._loaded) > self.max_cpu_loras:
+            self._loaded.popitem(last=False)
+
+    def _evict_slot(self, lora_int_id: int) -> None:
+        slot = self._slot_of.pop(lora_int_id, None)
+        if slot is not None:
+            self._slot_ids[slot] = None
+
+    def prepare(self, token_lora_ids: np.ndarray | None, device: torch.device) -> None:
+        """The step's groups from each token's adapter id (0: the base)."""
+        groups = self.batch.groups
+        groups.clear()
+        if token_lora_ids is None:
+            return
+        ids = np.unique(token_lora_ids)
+        ids = ids[ids != 0]
+        if not len(ids):
+            return
+        slots = self._slots_for([int(i) for i in ids])
+        if len(ids) == 1 and token_lora_ids[0] != 0 and (token_lora_ids == ids[0]).all():
+            groups.append((slots[0], None))
+            return
+        for lora_int_id, slot in zip(ids, slots, strict=True):
+            rows = np.flatnonzero(token_lora_ids == lora_int_id)
+            groups.append((slot, torch.from_numpy(rows).to(device)))
+
+    def _slots_for(self, ids: list[int]) -> list[int]:
+        """A slot for each adapter of the step (at most max_loras), loading those that have
+        none into slots no adapter of the step holds."""
+        needed = [i for i in ids if i not in self._slot_of]
+        if needed:
+            free = [s for s, held in enumerate(self._slot_ids) if held is None or held not in ids]
+            assert len(free) >= len(needed), "more adapters in a step than max_loras"
+            for lora_int_id, slot in zip(needed, free, strict=False):
+                held = self._slot_ids[slot]
+                if held is not None:
+                    del self._slot_of[held]
+                adapter = self._loaded.get(lora_int_id)
+                if adapter is None:  # fallen out of the CPU cache: read again
+                    adapter = load_adapter(self._requests[lora_int_id], self.config, self.max_rank)
+                    self._keep(adapter)
+                for module, layer in self.layers.items():
+                    layer.set_slot(slot, adapter.weights.get(module))
+                self._slot_ids[slot] = lora_int_id
+                self._slot_of[lora_int_id] = slot
+        return [self._slot_of[i] for i in ids]

@@ -1,0 +1,180 @@
+"""LoRA adapters (PEFT's format) served over one base model: greedy tokens equal HF's on PEFT's
+merged model (`merge_and_unload`), float32, for three adapters of different ranks, targets
+and scalings mixed with base requests in one batch, through chunked prefill, preemption,
+prefix hits, n > 1 and fewer adapter slots than adapters; an adapter it cannot serve
+exactly is refused by name."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from octavo.engine import LLM, LoRARequest, SamplingParams
+from tests.checkpoints import sample_prompts
+from tests.engine.helpers import hf_greedy
+
+MAX_TOKENS = 12
+# (name, PEFT LoraConfig settings): ranks 2 to 8; one product, all four (c_proj is both
+# attn.c_proj and mlp.c_proj), the MLP; plain and rank-stabilized scaling.
+ADAPTERS = [
+    ("qkv", {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"]}),
+    ("all", {"r": 8, "lora_alpha": 4, "target_modules": ["c_attn", "c_proj", "c_fc"],
+             "use_rslora": True}),
+    ("mlp", {"r": 2, "lora_alpha": 16, "target_modules": ["c_fc"]}),
+]  # fmt: skip
+
+
+def make_adapter(base_dir: str, folder: Path, settings: dict, seed: int):
+    """A PEFT adapter of the base with random factors (PEFT starts B at zero: a no-op);
+    returns PEFT's merged model, the oracle."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(base_dir)
+    peft_model = get_peft_model(
+        model, LoraConfig(fan_in_fan_out=True, lora_dropout=0.0, **settings)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(folder)
+    return peft_model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """name -> (LoRARequest, merged HF model)."""
+    made = {}
+    for lora_int_id, (name, settings) in enumerate(ADAPTERS, start=1):
+        folder = tmp_path_factory.mktemp(name)
+        merged = make_adapter(tiny_model_dir, folder, settings, seed=lora_int_id)
+        made[name] = (LoRARequest(name, lora_int_id, str(folder)), merged)
+    return made
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_tiny):
+    return sample_prompts(8, 4, 40, hf_tiny.config.vocab_size, seed=21)
+
+
+def lora_llm(tiny_model_dir, **overrides) -> LLM:
+    settings = {
+        "model": tiny_model_dir, "device": "cpu", "dtype": "float32", "num_blocks": 256,
+        "block_size": 8, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8,
+    } | overrides  # fmt: skip
+    return LLM(**settings)
+
+
+def plan(adapters, prompts):
+    """Each prompt twice: under an adapter (in turn) or the base, then the same prompt
+    under the next: the same tokens under two adapters in one batch."""
+    choices = [None, *(adapters[name][0] for name, _ in ADAPTERS)]
+    loras = [choices[i % 4] for i in range(len(prompts))]
+    loras += [choices[(i + 1) % 4] for i in range(len(prompts))]
+    return prompts + prompts, loras
+
+
+def expected(hf_tiny, adapters, prompts, loras) -> list[list[int]]:
+    models = {None: hf_tiny} | {request.lora_int_id: model for request, model in adapters.values()}
+    return [
+        hf_greedy(models[None if lora is None else lora.lora_int_id], prompt, MAX_TOKENS)
+        for prompt, lora in zip(prompts, loras, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked prefill beside other adapters' decodes
+        {"num_blocks": 24, "max_model_len": 64},  # preemption by recompute
+        {"max_loras": 1},  # one slot: adapters wait for it, slots are reloaded
+    ],
+    ids=["mixed", "chunked_prefill", "preemption", "one_slot"],
+)
+def test_mixed_adapters_give_the_merged_models_greedy_tokens(
+    tiny_model_dir, hf_tiny, adapters, prompts, overrides
+):
+    llm = lora_llm(tiny_model_dir, **overrides)
+    all_prompts, loras = plan(adapters, prompts)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = expected(hf_tiny, adapters, all_prompts, loras)
+    outputs = llm.generate(all_prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    # The adapters change the tokens: an engine that ignored them would fail.
+    assert sum(a != b for a, b in zip(want[: len(prompts)], want[len(prompts) :], strict=True)) > 4
+    stats = llm.engine.stats()
+    if "num_blocks" in overrides:
+        assert stats.num_preemptions > 0
+    # A second round: prefix hits, never across adapters.
+    again = llm.generate(all_prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert llm.engine.stats().num_prefix_cache_hits > stats.num_prefix_cache_hits
+    llm.engine.block_manager.check_invariants()
+
+
+def test_samples_of_an_adapter(tiny_model_dir, hf_tiny, adapters, prompts):
+    """n = 3 greedy samples share the adapter of their request."""
+    llm = lora_llm(tiny_model_dir)
+    lora, merged = adapters["all"]
+    params = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts[:3], params, use_tqdm=False, lora_request=lora)
+    for prompt, output in zip(prompts[:3], outputs, strict=True):
+        assert [o.token_ids for o in output.outputs] == [hf_greedy(merged, prompt, MAX_TOKENS)] * 3
+
+
+def copy_adapter(adapters, tmp_path: Path, **changes) -> str:
+    source = Path(adapters["all"][0].lora_path)
+    folder = tmp_path / "changed"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(config | changes))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"rank_pattern": {"c_attn": 2}}, "rank_pattern"),
+        ({"bias": "all"}, "bias"),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"r": 64}, "max_lora_rank"),
+    ],
+)
+def test_an_adapter_it_cannot_serve_exactly_is_refused_by_name(
+    tiny_model_dir, adapters, tmp_path, changes, named
+):
+    llm = lora_llm(tiny_model_dir)
+    request = LoRARequest("bad", 9, copy_adapter(adapters, tmp_path, **changes))
+    with pytest.raises(ValueError, match=named) as error:
+        llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=request)
+    assert getattr(error.value, "param", None) == "lora_path"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_missing_folders_other_bases_and_lora_off_are_refused(tiny_model_dir, adapters, tmp_path):
+    llm = lora_llm(tiny_model_dir)
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="not a folder"):
+        llm.generate(["a"], params, use_tqdm=False,
+                     lora_request=LoRARequest("x", 5, str(tmp_path / "none")))  # fmt: skip
+    with pytest.raises(ValueError, match="not a PEFT adapter"):
+        llm.generate(["a"], params, use_tqdm=False,
+                     lora_request=LoRARequest("x", 5, tiny_model_dir))  # fmt: skip
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    other = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512))
+    folder = tmp_path / "other_base"
+    get_peft_model(other, LoraConfig(r=2, target_modules=["c_attn"])).save_pretrained(folder)
+    with pytest.raises(ValueError, match="another base model"):
+        llm.generate(["a"], params, use_tqdm=False, lora_request=LoRARequest("x", 6, str(folder)))
+    plain = LLM(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=64)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate(["a"], params, use_tqdm=False, lora_request=adapters["qkv"][0])
