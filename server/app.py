@@ -1,7 +1,8 @@
 """The FastAPI application factory: routes, auth, body limit and OpenAI-shaped errors.
 
 Every route is named in `create_app`: FastAPI's decorated ones, then the generating ones
-(/v1/completions, /v1/chat/completions), which a middleware answers (generation_routes.py).
+(/v1/completions, /v1/chat/completions, /v1/responses), which a middleware answers
+(generation_routes.py).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from octavo.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from octavo.server.responses_protocol import ResponsesRequest, ResponsesResponse
 from octavo.server.serving_chat import ChatServing
 from octavo.server.serving_completion import CompletionServing
 from octavo.server.serving_engine import ServerConfig
+from octavo.server.serving_responses import ResponsesServing
 from octavo.server.serving_tokenization import TokenizationServing
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(engine, config.metrics_dir)
     serving = CompletionServing(engine, config, metrics)
     chat = ChatServing(engine, config, metrics)
+    responses = ResponsesServing(engine, config, metrics)
     tokenization = TokenizationServing(engine, config)
 
     @asynccontextmanager
@@ -144,6 +148,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             handler=chat.create,
             responses=_CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
         ),
+        GenerationRoute(
+            path="/v1/responses",
+            name="create_response",
+            request_model=ResponsesRequest,
+            handler=responses.create_response,
+            responses=_RESPONSES_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+        ),
     )
 
     # Middleware added last runs first: the Host check, then the body limit, then the
@@ -194,6 +205,16 @@ _CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
     204: {"description": "The client disconnected before the completion was ready."},
+}
+_RESPONSES_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": ResponsesResponse,
+        "description": "The response, or with `stream: true` server-sent events: per event "
+        "`event: <type>` and `data: <event JSON>`, from response.created to "
+        "response.completed (response.incomplete at max_output_tokens); no [DONE].",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    204: {"description": "The client disconnected before the response was ready."},
 }
 _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Serving.", "content": {}},
