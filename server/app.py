@@ -7,6 +7,7 @@ Every route is named in `create_app`: FastAPI's decorated ones, then the generat
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,10 +33,12 @@ from octavo.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from octavo.server.responses_protocol import ResponsesRequest, ResponsesResponse
@@ -103,7 +106,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=_errors(400, 401))
     async def models() -> ModelList:
-        return ModelList(data=[tokenization.model_card()])
+        return ModelList(data=tokenization.model_cards())
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -111,9 +114,32 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         responses=_errors(400, 401, 404),
     )
     async def model(model_id: str) -> ModelCard:
-        if model_id != config.served_model_name:
-            raise model_not_found(model_id)
-        return tokenization.model_card()
+        for card in tokenization.model_cards():
+            if card.id == model_id:
+                return card
+        raise model_not_found(model_id)
+
+    if config.lora is not None and config.allow_runtime_lora_updating:
+        lora = config.lora
+
+        @app.post(
+            "/v1/load_lora_adapter",
+            dependencies=[Depends(require_api_key)],
+            responses=_errors(400, 401),
+        )
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            # Reading the adapter's files off the loop: a slow disk stalls no stream.
+            await asyncio.to_thread(lora.add, request.lora_name, request.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added.")
+
+        @app.post(
+            "/v1/unload_lora_adapter",
+            dependencies=[Depends(require_api_key)],
+            responses=_errors(400, 401, 404),
+        )
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            lora.remove(request.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed.")
 
     @app.post(
         "/tokenize", dependencies=[Depends(require_api_key)], responses=_errors(400, 401, 404)

@@ -41,6 +41,7 @@ class Flag:
     kind: type
     choices: tuple[Any, ...] | None
     field: dataclasses.Field
+    multiple: bool = False  # a tuple[kind, ...] field: the flag takes one value or more
 
     @property
     def option(self) -> str:
@@ -63,10 +64,11 @@ def flags(cls: type) -> dict[str, Flag]:
         if dataclasses.is_dataclass(hint):
             found.update(flags(typing.cast(type, hint)))
             continue
+        multiple = _is_tuple(hint)
         kind, choices = _kind_and_choices(hint)
         if "choices" in field.metadata:
             choices = tuple(field.metadata["choices"])
-        found[field.name] = Flag(field.name, kind, choices, field)
+        found[field.name] = Flag(field.name, kind, choices, field, multiple)
     return found
 
 
@@ -77,12 +79,22 @@ def _default(field: dataclasses.Field) -> Any:
     return field.default
 
 
+def _is_tuple(hint: Any) -> bool:
+    """Whether an annotation is `tuple[X, ...]`, or that or None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return True
+    return len(args) == 1 and typing.get_origin(hint) is not typing.Literal and _is_tuple(args[0])
+
+
 def _kind_and_choices(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
     """The parsed type of an annotation and its Literal choices: `int | None` -> int,
-    `Literal["a", "b"]` -> (str, ("a", "b"))."""
+    `Literal["a", "b"]` -> (str, ("a", "b")), `tuple[str, ...]` -> str (of each value)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Literal:
         return type(args[0]), tuple(args)
+    if typing.get_origin(hint) is tuple:
+        return _kind_and_choices(args[0])
     if len(args) == 1:  # Optional[X]
         return _kind_and_choices(args[0])
     return hint, None
@@ -137,7 +149,9 @@ def _add_flag(
     options: dict[str, Any] = {"help": flag.help}
     if flag.choices is not None:
         options["choices"] = list(flag.choices)
-    if flag.kind is bool:
+    if flag.multiple:
+        parser.add_argument(flag.option, type=flag.kind, nargs="+", default=default, **options)
+    elif flag.kind is bool:
         action = argparse.BooleanOptionalAction if default is not False else "store_true"
         parser.add_argument(flag.option, action=action, default=default, **options)
     elif default is dataclasses.MISSING:
@@ -166,7 +180,8 @@ def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:
             elif own:
                 kwargs[field.name] = nested(**own)
         elif field.name in values:
-            kwargs[field.name] = values[field.name]
+            value = values[field.name]
+            kwargs[field.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
 
 
@@ -185,8 +200,14 @@ def config_values(cls: type, config: Mapping[str, Any], source: str) -> dict[str
                 f"{source}: unknown option {key!r} (each key is an `octavo serve` flag, "
                 "see `octavo serve --help`)"
             )
-        if value is not None:
-            values[name] = _config_value(known[name], key, value, source)
+        if value is None:
+            continue
+        flag = known[name]
+        if flag.multiple:  # a list, or one value
+            items = value if isinstance(value, list) else [value]
+            values[name] = tuple(_config_value(flag, key, item, source) for item in items)
+        else:
+            values[name] = _config_value(flag, key, value, source)
     return values
 
 

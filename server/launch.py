@@ -21,6 +21,7 @@ from octavo.engine.heap import tune_collector_for_serving
 from octavo.engine.worker.models.model_files import load_model_config
 from octavo.server.graceful_server import GracefulServer
 from octavo.server.http_guards import LOOPBACK_HOSTS, http_with_header_timeout
+from octavo.server.lora_modules import LoRAModules
 from octavo.server.server_args import (
     API_KEY_ENV,
     DEFAULT_MAX_N_SHARE,
@@ -51,6 +52,11 @@ def launch_server(args: ServerArgs) -> int:
     if args.api_server_count is not None and args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     api_servers = args.api_server_count or default_api_server_count(args.engine)
+    if api_servers > 1 and args.allow_runtime_lora_updating:
+        raise ValueError(
+            "--allow-runtime-lora-updating needs one API server process: each would keep "
+            "its own adapters (--api-server-count 1)"
+        )
     if api_servers > 1:
         if args.inprocess_engine:
             raise ValueError("--api-server-count > 1 needs the engine core in its own process")
@@ -108,6 +114,9 @@ def build_server(
     )
     api_key = _api_key(args.api_key)
     tool_call_parser = _tool_call_parser(args)
+    model = engine_config.model
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if Path(model) == DEFAULT_MODEL else model)
+    lora = _lora_modules(args, name)
     threads = model_threads(args)
     # An API process runs no model and imports no torch; only an engine core does.
     if shared_core is not None:
@@ -120,8 +129,6 @@ def build_server(
         engine = AsyncEngine.in_process(engine_config, args.max_num_waiting)
     else:
         engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, threads)
-    model = engine_config.model
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if Path(model) == DEFAULT_MODEL else model)
     config = ServerConfig(
         served_model_name=name,
         model_root=str(model),
@@ -132,9 +139,34 @@ def build_server(
         allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
+        lora=lora,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         metrics_dir=os.environ.get(PROMETHEUS_DIR_ENV),
     )
     return engine, create_app(engine, config)
+
+
+def _lora_modules(args: ServerArgs, base_name: str) -> LoRAModules | None:
+    """The adapters served by name (--enable-lora), each --lora-modules entry checked
+    against the base (ValueError naming it); None without --enable-lora."""
+    from octavo.server.errors import APIError
+    from octavo.server.lora_modules import LoRAModulePath
+
+    engine = args.engine
+    if not engine.enable_lora:
+        if args.lora_modules or args.allow_runtime_lora_updating:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        return None
+    modules = LoRAModules(
+        base_name, load_model_config(engine.model, engine.load_format), engine.max_lora_rank
+    )
+    for value in args.lora_modules or ():
+        entry = LoRAModulePath.parse(value)
+        try:
+            modules.add(entry.name, entry.path)
+        except APIError as exc:
+            raise ValueError(f"--lora-modules {value!r}: {exc.message}") from None
+    return modules
 
 
 def _tool_call_parser(args: ServerArgs) -> str | None:

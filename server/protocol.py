@@ -455,7 +455,8 @@ class ModelPermission(BaseModel):
 
 class ModelCard(BaseModel):
     """A served model, as vLLM lists it: `root` is the checkpoint it was loaded from
-    (`vllm bench serve` without --model reads it), `parent` the base of an adapter (none)."""
+    (`vllm bench serve` without --model reads it; an adapter's folder), `parent` the base of
+    a LoRA adapter (None for the base)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -465,6 +466,23 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int
     permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the adapter at `lora_path` as `lora_name`."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving `lora_name`."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ModelList(BaseModel):

@@ -87,6 +87,17 @@ class ServerArgs:
         "how tool calls appear in the model's text, with --enable-auto-tool-choice: hermes "
         '(<tool_call>{"name": ..., "arguments": ...}</tool_call>)',
     )
+    lora_modules: tuple[str, ...] | None = _option(
+        None,
+        "with --enable-lora: the LoRA adapters served, each by its name as a request's model: "
+        'NAME=PATH or JSON {"name": ..., "path": ..., "base_model_name": ...}',
+    )
+    allow_runtime_lora_updating: bool = _option(
+        False,
+        "with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and "
+        "remove adapters while serving (a client then names folders the server reads: off "
+        "by default); one API server process only",
+    )
     max_n: int | None = _option(
         None,
         f"largest n / best_of per request (default: max_num_seqs / {DEFAULT_MAX_N_SHARE}), so "

@@ -62,7 +62,7 @@ class ChatServing(EngineServing):
         await self.compile_constraint(request)
         prompts = [self.process(request, self._render(template, request))]
         request_id = chat_completion_id()
-        streams = self.submit(request_id, prompts)
+        streams = self.submit(request_id, prompts, request.model)
         if request.stream:
             builder = ChatStream(self, request_id, request, prompts)
             return EventStreamResponse(builder.events(self.merge(streams)))
@@ -162,7 +162,7 @@ class ChatServing(EngineServing):
             )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.config.served_model_name,
+            model=request.model,
             choices=choices,
             usage=usage(
                 prompts,

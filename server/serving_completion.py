@@ -45,7 +45,7 @@ class CompletionServing(EngineServing):
         await self.compile_constraint(request)
         prompts = [self.process(request, p) for p in request.prompts()]
         request_id = completion_id()
-        streams = self.submit(request_id, prompts)
+        streams = self.submit(request_id, prompts, request.model)
         if request.stream:
             builder = CompletionStream(self, request_id, request, prompts)
             return EventStreamResponse(builder.events(self.merge(streams)))
@@ -107,7 +107,7 @@ class CompletionServing(EngineServing):
                 choices.append(choice)
         return CompletionResponse(
             id=request_id,
-            model=self.config.served_model_name,
+            model=request.model,
             choices=choices,
             usage=usage(prompts, completion_tokens, cached_tokens),
         )

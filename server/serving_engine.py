@@ -34,7 +34,9 @@ from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptToken
 from octavo.server.stream_chunks import EventEncoder
 
 if TYPE_CHECKING:
+    from octavo.engine.lora_request import LoRARequest
     from octavo.server.chat_template import ChatTemplate
+    from octavo.server.lora_modules import LoRAModules
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -63,6 +65,9 @@ class ServerConfig:
     # tool_choice "auto": the parser of the model's calls (--tool-call-parser, only with
     # --enable-auto-tool-choice); None answers "auto" with tools with a 400.
     tool_call_parser: str | None = None
+    # The LoRA adapters served by name (--enable-lora); None: the base model alone.
+    lora: LoRAModules | None = None
+    allow_runtime_lora_updating: bool = False
     # prometheus-client's multiprocess folder when several API processes share /metrics.
     metrics_dir: str | None = None
 
@@ -84,10 +89,17 @@ class EngineServing:
 
     # -- validation --------------------------------------------------------------------------
 
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 if neither."""
+        if self.config.lora is not None:
+            return self.config.lora.resolve(model)
+        if model != self.config.served_model_name:
+            raise model_not_found(model)
+        return None
+
     def check_request(self, request: GenerationRequest, num_prompts: int) -> None:
         """The checks that need the server's settings, for a request of `num_prompts`."""
-        if request.model != self.config.served_model_name:
-            raise model_not_found(request.model)
+        self.lora_request(request.model)  # 404 for a model this server does not serve
         max_n = self.config.max_n
         for param, value in (("n", request.n), ("best_of", request.best_of)):
             if max_n is not None and value is not None and value > max_n:
@@ -229,15 +241,21 @@ class EngineServing:
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def submit(self, request_id: str, prompts: list[PromptAndParams]) -> list[AsyncIterator]:
-        """Queues one engine request per prompt (`{request_id}-{i}`); their output streams.
+    def submit(
+        self, request_id: str, prompts: list[PromptAndParams], model: str | None = None
+    ) -> list[AsyncIterator]:
+        """Queues one engine request per prompt (`{request_id}-{i}`), under the LoRA
+        adapter `model` names (None or the base's name: the base); their output streams.
         A full queue or a stopped engine is a 503 and leaves nothing queued."""
         arrival = time.monotonic()
+        lora_request = None if model is None else self.lora_request(model)
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(prompts):
                 streams.append(
-                    self.engine.add_request(f"{request_id}-{i}", prompt, params, arrival)
+                    self.engine.add_request(
+                        f"{request_id}-{i}", prompt, params, arrival, lora_request
+                    )
                 )
         except (QueueFullError, EngineStoppedError) as exc:
             for i in range(len(streams)):

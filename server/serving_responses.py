@@ -71,7 +71,7 @@ class ResponsesServing(ChatServing):
         except APIError as exc:
             raise in_responses_terms(exc) from exc
         id_, created_at = response_id(), int(time.time())
-        streams = self.submit(id_, prompts)
+        streams = self.submit(id_, prompts, chat.model)
         if chat.stream:
             stream = ResponseStream(self, request, id_, created_at, prompts)
             return EventStreamResponse(stream.events(self.merge(streams)))
@@ -106,7 +106,7 @@ class ResponsesServing(ChatServing):
             request,
             id_,
             created_at,
-            self.config.served_model_name,
+            request.model,
             output=items.items,
             usage=responses_usage(prompts, len(completion.token_ids), final.num_cached_tokens),
             **state,
@@ -321,7 +321,7 @@ class ResponseStream:
 
     def _response(self, **state: Any) -> dict[str, Any]:
         """The response object as it stands (`state`: status, output, ...), JSON-ready."""
-        model = self.serving.config.served_model_name
+        model = self.request.model  # the base's name, or an adapter's
         response = ResponsesResponse.of(self.request, self.id, self.created_at, model, **state)
         return response.model_dump(mode="json")
 

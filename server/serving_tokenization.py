@@ -35,6 +35,23 @@ class TokenizationServing:
             max_model_len=self.engine.max_model_len,
         )
 
+    def model_cards(self) -> list[ModelCard]:
+        """The base model's card, then each LoRA adapter's (its folder as root, the base as
+        parent), as vLLM lists them."""
+        cards = [self.model_card()]
+        if self.config.lora is not None:
+            cards += [
+                ModelCard(
+                    id=module.request.lora_name,
+                    created=module.created,
+                    root=module.request.lora_path,
+                    parent=self.config.served_model_name,
+                    max_model_len=self.engine.max_model_len,
+                )
+                for module in self.config.lora.modules()
+            ]
+        return cards
+
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         tokenizer = self._tokenizer(request.model, "prompt")
         tokens = tokenizer.encode(request.prompt, request.add_special_tokens)
@@ -62,7 +79,10 @@ class TokenizationServing:
 
     def _tokenizer(self, model: str | None, param: str) -> Tokenizer:
         if model is not None and model != self.config.served_model_name:
-            raise model_not_found(model)
+            lora = self.config.lora
+            if lora is None:
+                raise model_not_found(model)
+            lora.resolve(model)  # an adapter shares the base's tokenizer; 404 if unknown
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(

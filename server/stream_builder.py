@@ -59,7 +59,7 @@ class StreamBuilder(ABC, Generic[ServingT, RequestT, ChunkT]):
         self.request = request
         self.request_id = request_id
         self.created = int(time.time())
-        self.model = serving.config.served_model_name
+        self.model = request.model  # the base's name, or an adapter's
         self.prompts = prompts
         options = request.stream_options
         self.include_usage = options is not None and options.include_usage

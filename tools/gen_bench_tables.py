@@ -178,6 +178,21 @@ def speculative_decoding(title: str, files: list[Result]) -> list[str]:
     return lines
 
 
+def lora_bench(title: str, files: list[Result]) -> list[str]:
+    lines = []
+    for result in files:
+        data = result[1]
+        settings = data["settings"]
+        workload = (f"{settings['batch']} requests, {settings['num_adapters']} adapters of "
+                    f"rank {settings['rank']}, {settings['dtype']}")  # fmt: skip
+        rows = [
+            [name, num(per_s), f"{per_s / data['output_tokens_per_s']['base']:.2f}"]
+            for name, per_s in data["output_tokens_per_s"].items()
+        ]
+        lines += table([f"{caption(title, result)}: {workload}", "tok/s", "of base"], rows)
+    return lines
+
+
 def first_token(title: str, files: list[Result]) -> list[str]:
     lines = []
     parts = (
@@ -543,6 +558,7 @@ TABLES: dict[str, tuple[str, Callable[[str, list[Result]], list[str]]]] = {
     "cpu_peers": ("CPU peers", cpu_peers),
     "quantization_quality": ("Quantization quality", quantization_quality),
     "speculative_decoding": ("Speculative decoding", speculative_decoding),
+    "lora_bench": ("LoRA adapters", lora_bench),
     "offline_throughput": ("Offline throughput against Hugging Face", offline_throughput),
     "serving_throughput": ("Served against offline", serving_throughput),
     "first_token": ("One stream's first token", first_token),

@@ -157,3 +157,28 @@ def test_flags_parse_and_a_bad_setting_fails_without_loading_torch():
 def test_auto_tool_choice_flags_are_checked_at_start(capsys, flags, message):
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-modules", "a=/tmp"], "need --enable-lora"),
+        (["--allow-runtime-lora-updating"], "need --enable-lora"),
+        (["--enable-lora", "--lora-modules", "no-path"], "NAME=PATH or JSON"),
+        (["--enable-lora", "--lora-modules", '{"name": "a"}'], "JSON needs name and path"),
+        (["--enable-lora", "--lora-modules", "a=/nowhere/at/all"], "is not a folder"),
+        (["--enable-lora", "--allow-runtime-lora-updating", "--api-server-count", "2"],
+         "one API server process"),  # each would keep its own adapters
+    ],
+)  # fmt: skip
+def test_lora_flags_are_checked_at_start(capsys, flags, message):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_lora_modules_take_several_values():
+    args = build_parser().parse_args(
+        ["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}']
+    )
+    server_args = ServerArgs.from_cli_args(args)
+    assert server_args.lora_modules == ("a=/x", '{"name": "b", "path": "/y"}')
