@@ -12,7 +12,7 @@ adapter of a step a slot, and hands the layers the step's rows per slot (`LoRABa
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -50,15 +50,31 @@ def load_adapter(request: LoRARequest, config: GPT2Config, max_rank: int) -> LoR
 
 @dataclass
 class LoRABatch:
-    """A step's rows per adapter slot, shared by every LoRALinear: (slot, rows) pairs,
-    rows None when the slot's adapter has every row of the step."""
+    """A step's rows by adapter slot, shared by every LoRALinear (set by `LoRAManager.prepare`):
+    - `slot`: the one slot of a step whose every row has the same adapter;
+    - or, for rows of several adapters (and maybe the base), G groups padded to the largest
+      one's L rows: `slots` [G], `padded_rows` [G, L] (each group's rows, padded with row
+      0), `valid` [V] (the real entries of the flattened G x L grid; None when no group is
+      padded) and `rows` [V] (their rows), so that a product's adapters run as two batched
+      products, not two per group;
+    - neither: no adapter in the step."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    slot: int | None = None
+    slots: torch.Tensor | None = None
+    leading_slots: bool = False  # slots are 0..G-1 in order
+    padded_rows: torch.Tensor | None = None
+    valid: torch.Tensor | None = None  # None: no group is padded
+    rows: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.slot = self.slots = self.padded_rows = self.valid = self.rows = None
+        self.leading_slots = False
 
 
 class LoRALinear(nn.Module):
     """A product with `max_loras` adapter slots beside it: base(x), plus for the rows of
-    each slot of the step x @ A[slot].T @ B[slot].T (an empty slot is zeros)."""
+    each slot of the step x @ A[slot].T @ B[slot].T (an empty slot is zeros). A and B are
+    kept transposed ([slots, in, rank], [slots, rank, out]) for the batched products."""
 
     def __init__(
         self, base: nn.Module, in_features: int, out_features: int, max_loras: int,
@@ -68,28 +84,38 @@ class LoRALinear(nn.Module):
         self.base = base
         self.batch = batch
         # Plain tensors, not buffers: no state dict holds them.
-        self.lora_a = torch.zeros((max_loras, max_rank, in_features), dtype=dtype, device=device)
-        self.lora_b = torch.zeros((max_loras, out_features, max_rank), dtype=dtype, device=device)
+        self.lora_a = torch.zeros((max_loras, in_features, max_rank), dtype=dtype, device=device)
+        self.lora_b = torch.zeros((max_loras, max_rank, out_features), dtype=dtype, device=device)
 
     def set_slot(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Fills `slot` with (A, B) (zero-padded to max_rank), or zeros."""
+        """Fills `slot` with (A [rank, in], B [out, rank]) zero-padded to max_rank, or zeros."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if factors is not None:
             a, b = factors
             rank = a.shape[0]
-            self.lora_a[slot, :rank].copy_(a)
-            self.lora_b[slot, :, :rank].copy_(b)
+            self.lora_a[slot, :, :rank].copy_(a.t())
+            self.lora_b[slot, :rank].copy_(b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for slot, rows in self.batch.groups:
-            if rows is None:
-                out = out + (x @ self.lora_a[slot].t()) @ self.lora_b[slot].t()
-            else:
-                part = x.index_select(0, rows) @ self.lora_a[slot].t()
-                out = out.index_add(0, rows, part @ self.lora_b[slot].t())
-        return out
+        batch = self.batch
+        if batch.slot is not None:
+            return torch.addmm(out, x @ self.lora_a[batch.slot], self.lora_b[batch.slot])
+        if batch.slots is None:
+            return out
+        assert batch.padded_rows is not None and batch.rows is not None
+        groups, length = batch.padded_rows.shape
+        if batch.leading_slots:  # slots 0..G-1 in order: views, no copies
+            lora_a, lora_b = self.lora_a[:groups], self.lora_b[:groups]
+        else:
+            lora_a = self.lora_a.index_select(0, batch.slots)
+            lora_b = self.lora_b.index_select(0, batch.slots)
+        grown = torch.bmm(torch.bmm(x[batch.padded_rows], lora_a), lora_b)
+        grown = grown.view(groups * length, -1)
+        if batch.valid is not None:  # some groups padded
+            grown = grown.index_select(0, batch.valid)
+        return out.index_add_(0, batch.rows, grown)
 
 
 class LoRAManager:
@@ -158,9 +184,9 @@ class LoRAManager:
             self._slot_ids[slot] = None
 
     def prepare(self, token_lora_ids: np.ndarray | None, device: torch.device) -> None:
-        """The step's groups from each token's adapter id (0: the base)."""
-        groups = self.batch.groups
-        groups.clear()
+        """The step's `LoRABatch` from each token's adapter id (0: the base)."""
+        batch = self.batch
+        batch.clear()
         if token_lora_ids is None:
             return
         ids = np.unique(token_lora_ids)
@@ -168,12 +194,22 @@ class LoRAManager:
         if not len(ids):
             return
         slots = self._slots_for([int(i) for i in ids])
-        if len(ids) == 1 and token_lora_ids[0] != 0 and (token_lora_ids == ids[0]).all():
-            groups.append((slots[0], None))
+        if len(ids) == 1 and (token_lora_ids == ids[0]).all():
+            batch.slot = slots[0]
             return
-        for lora_int_id, slot in zip(ids, slots, strict=True):
-            rows = np.flatnonzero(token_lora_ids == lora_int_id)
-            groups.append((slot, torch.from_numpy(rows).to(device)))
+        members = [np.flatnonzero(token_lora_ids == lora_int_id) for lora_int_id in ids]
+        length = max(len(rows) for rows in members)
+        padded = np.zeros((len(ids), length), dtype=np.int64)
+        valid = []
+        for group, rows in enumerate(members):
+            padded[group, : len(rows)] = rows
+            valid.append(np.arange(group * length, group * length + len(rows)))
+        batch.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        batch.leading_slots = slots == list(range(len(slots)))
+        batch.padded_rows = torch.from_numpy(padded).to(device)
+        if any(len(rows) < length for rows in members):
+            batch.valid = torch.from_numpy(np.concatenate(valid)).to(device)
+        batch.rows = torch.from_numpy(np.concatenate(members)).to(device)
 
     def _slots_for(self, ids: list[int]) -> list[int]:
         """A slot for each adapter of the step (at most max_loras), loading those that have

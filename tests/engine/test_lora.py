@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,3 +179,42 @@ def test_missing_folders_other_bases_and_lora_off_are_refused(tiny_model_dir, ad
     plain = LLM(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=64)
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate(["a"], params, use_tqdm=False, lora_request=adapters["qkv"][0])
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [
+        [1, 1, 1, 1],  # one adapter, every row: one product pair
+        [0, 2, 0, 2],  # one adapter beside the base
+        [1, 2, 3, 1, 2, 3],  # groups of equal size in slot order: no copies, no padding
+        [3, 0, 3, 3, 2],  # padded groups, slots out of order
+    ],
+)
+def test_each_row_gets_its_own_adapters_product(tiny_model_dir, adapters, token_ids):
+    """A LoRALinear's output, row by row, against base(x) + x @ A.T @ B.T of the row's
+    adapter (none for id 0), whichever batched path the step's rows take."""
+    llm = lora_llm(tiny_model_dir)
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    requests = {request.lora_int_id: request for request, _ in adapters.values()}
+    for request in requests.values():
+        manager.add(request)
+    manager.prepare(np.array([3, 2, 1]), torch.device("cpu"))  # slots: id 1 -> 0, 2 -> 1, 3 -> 2
+    layer = manager.layers["h.0.attn.c_attn"]
+    ids = np.array(token_ids)
+    manager.prepare(ids, torch.device("cpu"))
+    x = torch.randn(len(ids), layer.lora_a.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = layer(x)
+        base = layer.base(x)
+    for row, lora_int_id in enumerate(token_ids):
+        want = base[row]
+        if lora_int_id:
+            from octavo.engine.worker.lora import load_adapter
+
+            adapter = load_adapter(requests[lora_int_id], llm.engine.model_config, 8)
+            factors = adapter.weights.get("h.0.attn.c_attn")
+            if factors is not None:
+                a, b = factors
+                want = want + (x[row] @ a.t()) @ b.t()
+        torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
