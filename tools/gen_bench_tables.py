@@ -159,21 +159,23 @@ def speculative_decoding(title: str, files: list[Result]) -> list[str]:
     lines = []
     for result in files:
         rows = []
+        methods = list(result[1]["rows"][0]["speedup"])
         for row in result[1]["rows"]:
-            per_s = row["output_tokens_per_s"]
-            for name, speedup in row["speedup"].items():
+            per_s, batch = row["output_tokens_per_s"], row["batch"]
+            cells = [f"batch {batch}", num(per_s["plain"])]
+            for name in methods:
                 acceptance = row["acceptance"][name]
-                rows.append([
-                    f"batch {row['batch']}, {name}", num(per_s["plain"]), num(per_s[name]),
-                    f"{speedup:.2f}x",
+                cells += [
+                    f"{num(per_s[name])} ({row['speedup'][name]:.2f}x)",
                     "no draft" if acceptance is None else f"{acceptance:.0%}",
-                    num(row["tokens_per_step"][name] / row["batch"], 2),
-                    f"{row['same_tokens'][name]} of {row['batch']}",
-                    f"{row['plain_first_run_same_tokens']} of {row['batch']}",
-                ])  # fmt: skip
-        header = ["tok/s plain", "speculating", "speedup", "drafts accepted",
-                  "tokens a step a request", "same tokens as plain",
-                  "plain's first run, same"]  # fmt: skip
+                ]
+            same = [str(row["same_tokens"][name]) for name in methods]
+            cells.append(f"{' / '.join(same)} / {row['plain_first_run_same_tokens']} of {batch}")
+            rows.append(cells)
+        header = ["tok/s plain"]
+        for name in methods:
+            header += [f"{name} tok/s", "accepted"]
+        header.append(f"same tokens as plain: {' / '.join(methods)} / plain's first run")
         lines += table([caption(title, result), *header], rows)
     return lines
 
@@ -182,14 +184,14 @@ def lora_bench(title: str, files: list[Result]) -> list[str]:
     lines = []
     for result in files:
         data = result[1]
-        settings = data["settings"]
+        settings, per_s = data["settings"], data["output_tokens_per_s"]
         workload = (f"{settings['batch']} requests, {settings['num_adapters']} adapters of "
                     f"rank {settings['rank']}, {settings['dtype']}")  # fmt: skip
-        rows = [
-            [name, num(per_s), f"{per_s / data['output_tokens_per_s']['base']:.2f}"]
-            for name, per_s in data["output_tokens_per_s"].items()
+        cells = [workload] + [
+            f"{num(value)} ({value / per_s['base']:.2f})" for value in per_s.values()
         ]
-        lines += table([f"{caption(title, result)}: {workload}", "tok/s", "of base"], rows)
+        header = [caption(title, result)] + [f"{name} tok/s (of base)" for name in per_s]
+        lines += table(header, [cells])
     return lines
 
 
