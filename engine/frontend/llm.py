@@ -80,12 +80,14 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Beam search for every prompt (all in one continuous batch); each RequestOutput's
-        outputs are its num_return_sequences best hypotheses, best first, with `score`."""
+        outputs are its num_return_sequences best hypotheses, best first, with `score`.
+        `lora_request`: the LoRA adapter every beam runs with (needs enable_lora)."""
         prompts = self._as_prompt_list(prompts)
         request_ids = [str(next(self._request_ids)) for _ in prompts]
-        self._add_all(request_ids, prompts, [params] * len(prompts))
+        self._add_all(request_ids, prompts, [params] * len(prompts), [lora_request] * len(prompts))
         return self._run(request_ids, use_tqdm)
 
     @staticmethod

@@ -218,3 +218,20 @@ def test_each_row_gets_its_own_adapters_product(tiny_model_dir, adapters, token_
                 a, b = factors
                 want = want + (x[row] @ a.t()) @ b.t()
         torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_beams_of_an_adapter_are_the_merged_models(tiny_model_dir, adapters):
+    """Beam search under an adapter (its beams fork and share blocks): HF's beams and scores
+    on the merged model."""
+    from octavo.engine import BeamSearchParams
+    from tests.engine.test_beam_search import hf_beam_search
+
+    lora, merged = adapters["all"]
+    llm = lora_llm(tiny_model_dir)
+    params = BeamSearchParams(beam_width=3, max_tokens=8, num_return_sequences=2)
+    prompts = sample_prompts(3, 4, 20, merged.config.vocab_size, seed=5)
+    outputs = llm.beam_search(prompts, params, use_tqdm=False, lora_request=lora)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        sequences, scores = hf_beam_search(merged, prompt, params)
+        assert [o.token_ids for o in output.outputs] == sequences
+        assert [o.score for o in output.outputs] == pytest.approx(scores, abs=1e-4)
