@@ -136,6 +136,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_accepted_tokens: int = 0  # of which the model chose
     num_accepted_tokens_per_pos: list[int] = []  # of those, by position in the draft
+    # LoRA: running and waiting requests by adapter id (adapters with none left out).
+    lora_running: dict[int, int] = {}
+    lora_waiting: dict[int, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

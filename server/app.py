@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """Builds the app around a (not yet started) AsyncEngine; the app's lifespan starts the
     engine thread and shuts it down gracefully."""
-    metrics = ServerMetrics(engine, config.metrics_dir)
+    lora_names = config.lora.names if config.lora is not None else dict
+    metrics = ServerMetrics(engine, config.metrics_dir, lora_names)
     serving = CompletionServing(engine, config, metrics)
     chat = ChatServing(engine, config, metrics)
     responses = ResponsesServing(engine, config, metrics)

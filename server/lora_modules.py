@@ -97,3 +97,7 @@ class LoRAModules:
 
     def modules(self) -> list[LoRAModule]:
         return list(self._modules.values())
+
+    def names(self) -> dict[int, str]:
+        """The served adapters' names by id (what /metrics labels them with)."""
+        return {m.request.lora_int_id: m.request.lora_name for m in self._modules.values()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -19,8 +21,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 class EngineStatsCollector(Collector):
     """Gauges and counters read from the engine's latest published stats at scrape time."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, lora_names: Callable[[], dict[int, str]]):
         self.engine = engine
+        self.lora_names = lora_names  # the served adapters' names by id
 
     def collect(self):
         stats = self.engine.stats()
@@ -60,6 +63,17 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(stats.num_accepted_tokens_per_pos):
             per_pos.add_metric([str(position)], count)
         yield per_pos
+        names = self.lora_names() if stats.lora_running or stats.lora_waiting else {}
+        for kind, counts in (("running", stats.lora_running), ("waiting", stats.lora_waiting)):
+            family = GaugeMetricFamily(
+                PREFIX + f"lora_requests_{kind}",
+                f"Requests {kind} per LoRA adapter.",
+                labels=["lora_name"],
+            )
+            for lora_int_id, count in counts.items():
+                # An adapter unloaded while its requests run keeps its id as a name.
+                family.add_metric([names.get(lora_int_id, str(lora_int_id))], count)
+            yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -77,8 +91,13 @@ class ServerMetrics:
     processes share: --api-server-count) the histograms `render` shows are every process's,
     added up; the engine's counters are the core's, the same in every process."""
 
-    def __init__(self, engine: AsyncEngine, multiprocess_dir: str | None = None):
-        self._engine_stats = EngineStatsCollector(engine)
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        multiprocess_dir: str | None = None,
+        lora_names: Callable[[], dict[int, str]] = dict,
+    ):
+        self._engine_stats = EngineStatsCollector(engine, lora_names)
         self._multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         self.registry.register(self._engine_stats)

@@ -443,4 +443,6 @@ class EngineCore:
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_accepted_tokens_per_pos=list(self.scheduler.num_accepted_tokens_per_pos),
+            lora_running=self.scheduler.requests_per_adapter(self.scheduler.running),
+            lora_waiting=self.scheduler.requests_per_adapter(self.scheduler.waiting),
         )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from octavo.engine.core.beam_search import BeamSearch
@@ -258,6 +259,12 @@ class Scheduler:
         self._new_sampled, self._finished_seq_ids = [], []
         self._new_constrained_beams, self._beam_choices = {}, []
         return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
+
+    def requests_per_adapter(self, groups: Iterable[SequenceGroup]) -> dict[int, int]:
+        """How many of `groups` run with each LoRA adapter (empty until one ever came)."""
+        if not self._saw_adapters:
+            return {}
+        return dict(Counter(group.lora_int_id for group in groups if group.lora_int_id))
 
     def _lora_fits(self, lora_int_id: int) -> bool:
         """Whether a request of this adapter can run beside the running ones: its adapter

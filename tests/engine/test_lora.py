@@ -235,3 +235,21 @@ def test_beams_of_an_adapter_are_the_merged_models(tiny_model_dir, adapters):
         sequences, scores = hf_beam_search(merged, prompt, params)
         assert [o.token_ids for o in output.outputs] == sequences
         assert [o.score for o in output.outputs] == pytest.approx(scores, abs=1e-4)
+
+
+def test_stats_count_running_and_waiting_requests_per_adapter(tiny_model_dir, adapters, prompts):
+    """One slot for two adapters: one's requests run, the other's wait (first come, first
+    served), and the stats say so by adapter id."""
+    llm = lora_llm(tiny_model_dir, max_loras=1)
+    engine = llm.engine
+    first, second = adapters["qkv"][0], adapters["all"][0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, lora in enumerate([first, first, second]):
+        engine.add_request(f"r{i}", prompts[i], params, lora_request=lora)
+    engine.step()
+    stats = engine.stats()
+    assert stats.lora_running == {first.lora_int_id: 2}
+    assert stats.lora_waiting == {second.lora_int_id: 1}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().lora_running == {} and engine.stats().lora_waiting == {}

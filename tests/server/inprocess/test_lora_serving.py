@@ -158,3 +158,24 @@ def test_runtime_updates_are_off_by_default(tiny_model_dir, adapter_dirs):
         assert complete(app, "qkv", [5, 6, 7])["model"] == "qkv"
     finally:
         app.close()
+
+
+def test_metrics_count_requests_per_adapter():
+    """The engine's per-adapter counts, labelled with the adapters' names (an id no longer
+    served keeps its id)."""
+    from types import SimpleNamespace
+
+    from octavo.engine.core_messages import EngineStats
+    from octavo.server.metrics import ServerMetrics
+
+    stats = EngineStats(
+        num_running_seqs=3, num_waiting_requests=1, num_free_blocks=1, num_usable_blocks=2,
+        kv_cache_usage=0.5, num_preemptions=0, num_prompt_tokens=0, num_generation_tokens=0,
+        num_requests_added=4, num_prefix_cache_queries=0, num_prefix_cache_hits=0,
+        num_steps=1, lora_running={1: 2, 2: 1}, lora_waiting={7: 1},
+    )  # fmt: skip
+    engine = SimpleNamespace(stats=lambda: stats, num_waiting=1)
+    text = ServerMetrics(engine, lora_names=lambda: {1: "qkv", 2: "all"}).render().decode()  # type: ignore[arg-type]
+    assert 'octavo:lora_requests_running{lora_name="qkv"} 2.0' in text
+    assert 'octavo:lora_requests_running{lora_name="all"} 1.0' in text
+    assert 'octavo:lora_requests_waiting{lora_name="7"} 1.0' in text
