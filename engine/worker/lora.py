@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from octavo.engine.errors import ParameterError
 from octavo.engine.lora_adapter import ADAPTER_WEIGHTS, TARGETS, read_adapter, target_shape
 from octavo.engine.lora_request import LoRARequest
 from octavo.engine.worker.models.configs import GPT2Config
@@ -32,7 +33,6 @@ class LoRAAdapter:
     B [out, rank] with the scaling folded in."""
 
     lora_int_id: int
-    rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -45,7 +45,7 @@ def load_adapter(request: LoRARequest, config: GPT2Config, max_rank: int) -> LoR
         module: (tensors[a].float(), tensors[b].float() * spec.scaling)
         for module, (a, b) in spec.modules.items()
     }
-    return LoRAAdapter(request.lora_int_id, spec.rank, weights)
+    return LoRAAdapter(request.lora_int_id, weights)
 
 
 @dataclass
@@ -155,33 +155,28 @@ class LoRAManager:
         self._slot_of: dict[int, int] = {}
 
     def add(self, request: LoRARequest) -> None:
-        """Checks and loads `request`'s adapter (again if its id came with another path)."""
+        """Checks and loads `request`'s adapter. An id names one adapter for the engine's
+        life (the prefix cache keys K/V by it): the same id with another name or path is a
+        ParameterError naming lora_request."""
         known = self._requests.get(request.lora_int_id)
-        if known == request and request.lora_int_id in self._loaded:
+        if known is not None and known != request:
+            raise ParameterError(
+                "lora_request",
+                f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} at "
+                f"{known.lora_path!r}; another adapter needs another id",
+            )
+        if request.lora_int_id in self._loaded:
             self._loaded.move_to_end(request.lora_int_id)
             return
         adapter = load_adapter(request, self.config, self.max_rank)
-        if known is not None and known != request:
-            self._evict_slot(request.lora_int_id)
         self._requests[request.lora_int_id] = request
         self._keep(adapter)
-
-    def remove(self, lora_int_id: int) -> None:
-        """Forgets an adapter (no running sequence uses it)."""
-        self._requests.pop(lora_int_id, None)
-        self._loaded.pop(lora_int_id, None)
-        self._evict_slot(lora_int_id)
 
     def _keep(self, adapter: LoRAAdapter) -> None:
         self._loaded[adapter.lora_int_id] = adapter
         self._loaded.move_to_end(adapter.lora_int_id)
         while len(self._loaded) > self.max_cpu_loras:
             self._loaded.popitem(last=False)
-
-    def _evict_slot(self, lora_int_id: int) -> None:
-        slot = self._slot_of.pop(lora_int_id, None)
-        if slot is not None:
-            self._slot_ids[slot] = None
 
     def prepare(self, token_lora_ids: np.ndarray | None, device: torch.device) -> None:
         """The step's `LoRABatch` from each token's adapter id (0: the base)."""

@@ -253,3 +253,15 @@ def test_stats_count_running_and_waiting_requests_per_adapter(tiny_model_dir, ad
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().lora_running == {} and engine.stats().lora_waiting == {}
+
+
+def test_an_id_names_one_adapter(tiny_model_dir, adapters):
+    """The prefix cache keys K/V by adapter id: one id with another adapter is refused."""
+    llm = lora_llm(tiny_model_dir)
+    first, second = adapters["qkv"][0], adapters["mlp"][0]
+    params = SamplingParams(max_tokens=2)
+    llm.generate(["a"], params, use_tqdm=False, lora_request=first)
+    clash = LoRARequest(second.lora_name, first.lora_int_id, second.lora_path)
+    with pytest.raises(ValueError, match="another adapter needs another id") as error:
+        llm.generate(["a"], params, use_tqdm=False, lora_request=clash)
+    assert getattr(error.value, "param", None) == "lora_request"
