@@ -213,15 +213,22 @@ class Scheduler:
         admits = not self.running or self._steps_since_admission >= self.config.prefill_interval
         num_seqs = self.num_running_seqs if self.waiting and admits else 0
         max_num_seqs = self.config.max_num_seqs
+        # LoRA: the running requests' adapters, and the requests passed over this step
+        # because theirs found no slot (they keep their place at the queue's head).
+        adapters = self._running_adapters() if self._saw_adapters and admits else set()
+        passed_over: list[SequenceGroup] = []
         while admits and self.waiting and budget > 0 and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs
+            lora_int_id = group.lora_int_id
+            no_slot = len(adapters) >= self.config.max_loras
+            if lora_int_id and lora_int_id not in adapters and no_slot:
+                passed_over.append(self.waiting.popleft())
+                continue
             if num_seqs + max(len(seqs), group.num_sequences) > max_num_seqs:
                 break
             if any(seq.num_pending_tokens for seq in seqs):
                 break  # preempted with a token in flight: recomputed once it has arrived
-            if group.lora_int_id and not self._lora_fits(group.lora_int_id):
-                break  # its adapter waits for a slot (first come, first served)
             num_cached = self._take_cached_prefix(group, seqs)
             scheduled = self._schedule_group(group, budget, step)
             if scheduled is None:
@@ -240,6 +247,9 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
             self._steps_since_admission = 0
+            if lora_int_id:
+                adapters.add(lora_int_id)
+        self.waiting.extendleft(reversed(passed_over))
 
         bm = self.block_manager
         changed, freed = bm.take_changes()
@@ -266,11 +276,9 @@ class Scheduler:
             return {}
         return dict(Counter(group.lora_int_id for group in groups if group.lora_int_id))
 
-    def _lora_fits(self, lora_int_id: int) -> bool:
-        """Whether a request of this adapter can run beside the running ones: its adapter
-        is among theirs, or they use fewer than max_loras."""
-        running = {group.lora_int_id for group in self.running if group.lora_int_id}
-        return lora_int_id in running or len(running) < self.config.max_loras
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests (at most max_loras)."""
+        return {group.lora_int_id for group in self.running if group.lora_int_id}
 
     def _lora_int_ids(self, seq_ids: set[int]) -> dict[int, int]:
         """The adapter of each sequence of `seq_ids` that runs with one."""

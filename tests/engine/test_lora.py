@@ -265,3 +265,23 @@ def test_an_id_names_one_adapter(tiny_model_dir, adapters):
     with pytest.raises(ValueError, match="another adapter needs another id") as error:
         llm.generate(["a"], params, use_tqdm=False, lora_request=clash)
     assert getattr(error.value, "param", None) == "lora_request"
+
+
+def test_a_request_whose_adapter_finds_no_slot_does_not_hold_back_others(
+    tiny_model_dir, adapters, prompts
+):
+    """One slot, taken by the first adapter: the second adapter's request is passed over
+    (keeping its place), the base request behind it runs, and the second runs once the
+    slot frees (the one_slot case above checks the tokens)."""
+    llm = lora_llm(tiny_model_dir, max_loras=1)
+    engine = llm.engine
+    first, second = adapters["qkv"][0], adapters["all"][0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, lora in enumerate([first, second, None]):
+        engine.add_request(f"r{i}", prompts[i], params, lora_request=lora)
+    engine.step()
+    assert [g.request_id for g in engine.scheduler.running] == ["r0", "r2"]
+    assert [g.request_id for g in engine.scheduler.waiting] == ["r1"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.check_invariants()
