@@ -111,8 +111,9 @@ class EngineCore:
             )
 
         spec = self._speculative
-        draft, draft_backend = None, make_backend(config)
+        draft = draft_backend = None
         if spec is not None and spec.model is not None:
+            draft_backend = make_backend(config)
             draft = load_model(
                 spec.model, config.load_format, draft_backend, self.device, dtype, config.seed,
                 config.quantization,
@@ -178,7 +179,7 @@ class EngineCore:
                 config.max_num_batched_tokens if config.uses_piecewise_graphs else None,
             )
         self.drafter = None
-        if draft is not None:
+        if draft is not None and draft_backend is not None:
             self.drafter = DraftModelProposer(
                 draft.model, draft_backend, num_blocks, config.block_size,
                 config.max_num_batched_tokens, self.device, dtype,
