@@ -285,3 +285,33 @@ def test_a_request_whose_adapter_finds_no_slot_does_not_hold_back_others(
     while engine.has_unfinished_requests():
         engine.step()
     engine.block_manager.check_invariants()
+
+
+def test_logprobs_and_structured_outputs_under_an_adapter(tiny_model_dir, adapters, prompts):
+    """Per-token logprobs are the merged model's log-softmax; a JSON-schema constraint holds
+    under an adapter as under the base."""
+    import jsonschema
+
+    from octavo.engine import StructuredOutputsParams
+
+    lora, merged = adapters["all"]
+    llm = lora_llm(tiny_model_dir)
+    prompt = prompts[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    [output] = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+    completion = output.outputs[0]
+    with torch.no_grad():
+        logits = merged(torch.tensor([prompt + completion.token_ids])).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        want = logprobs[len(prompt) - 1 + i]
+        assert entry[token] == pytest.approx(want[token].item(), abs=1e-4)
+        best = sorted(entry.values(), reverse=True)[:2]
+        assert best == pytest.approx(want.topk(2).values.tolist(), abs=1e-4)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["a"], "additionalProperties": False}  # fmt: skip
+    constrained = SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    [output] = llm.generate(["x"], constrained, use_tqdm=False, lora_request=lora)
+    jsonschema.validate(json.loads(output.outputs[0].text), schema)
