@@ -201,10 +201,13 @@ class ToolCallParser(ABC):
 
 
 class ContentOnly(ToolCallParser):
-    """tool_choice "none" (or no tools): the text is content."""
+    """tool_choice "none" (or no tools): the text is content (an empty one stays "")."""
 
     def feed(self, text: str) -> MessageDelta:
         return MessageDelta(content=text)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return text, []
 
 
 class NamedCall(ToolCallParser):

@@ -8,6 +8,7 @@ import pytest
 
 from octavo.server.tool_calls import (
     ChatTool,
+    ContentOnly,
     HermesCalls,
     NamedCall,
     NamedToolChoice,
@@ -122,3 +123,8 @@ def test_required_allows_the_tools_and_one_call_without_parallel(parallel):
     assert names == [["f"], ["g"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
     assert forced_schema(TOOLS, "auto", True) is None and forced_schema(TOOLS, "none", True) is None
+
+
+def test_without_tools_the_text_is_the_content_even_empty():
+    assert ContentOnly().parse("") == ("", [])
+    assert ContentOnly().parse("hi") == ("hi", [])
