@@ -100,7 +100,7 @@ def _parsed_arguments(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
         return call
     return {**call, "function": {**function, "arguments": arguments}}
 

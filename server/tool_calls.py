@@ -373,7 +373,7 @@ class HermesCalls(ToolCallParser):
     def _call(self, body: str) -> ToolCallDelta | None:
         try:
             value = json.loads(body)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None

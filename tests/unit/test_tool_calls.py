@@ -128,3 +128,18 @@ def test_required_allows_the_tools_and_one_call_without_parallel(parallel):
 def test_without_tools_the_text_is_the_content_even_empty():
     assert ContentOnly().parse("") == ("", [])
     assert ContentOnly().parse("hi") == ("hi", [])
+
+
+def test_deeply_nested_json_is_text_not_a_crash():
+    """A hermes block or an assistant's arguments nested past Python's recursion limit stay
+    text (json recurses once per level)."""
+    from octavo.server.chat_protocol import ChatMessage
+
+    deep = "[" * 100_000
+    content, calls = HermesCalls().parse(f"<tool_call>{deep}</tool_call>")
+    assert calls == [] and content == f"<tool_call>{deep}</tool_call>"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    message = ChatMessage.model_validate(
+        {"role": "assistant", "content": None, "tool_calls": [call]}
+    )
+    assert message.for_template()["tool_calls"][0]["function"]["arguments"] == deep
