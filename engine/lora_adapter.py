@@ -84,7 +84,7 @@ def read_adapter(name: str, path: str, config: GPT2Config, max_rank: int) -> Ada
         raise refuse(f"no {ADAPTER_CONFIG} in {path!r}: not a PEFT adapter")
     try:
         settings = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise refuse(f"{ADAPTER_CONFIG} is not readable JSON ({exc})") from None
     if not isinstance(settings, dict) or settings.get("peft_type") != "LORA":
         peft_type = settings.get("peft_type") if isinstance(settings, dict) else None
@@ -104,7 +104,7 @@ def read_adapter(name: str, path: str, config: GPT2Config, max_rank: int) -> Ada
         raise refuse(f"no {ADAPTER_WEIGHTS} in {path!r}")
     try:
         shapes = _safetensors_shapes(folder / ADAPTER_WEIGHTS)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError, struct.error) as exc:
         raise refuse(f"{ADAPTER_WEIGHTS} is not a safetensors file ({exc})") from None
     factors: dict[str, dict[str, tuple[str, list[int]]]] = {}
     for key, shape in shapes.items():
@@ -141,4 +141,14 @@ def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
         if length > _MAX_HEADER_BYTES:
             raise ValueError(f"a header of {length} bytes")
         header = json.loads(f.read(length))
-    return {key: list(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    shapes = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(n, int) for n in shape):
+            raise ValueError(f"tensor {key!r} has no shape")
+        shapes[key] = shape
+    return shapes

@@ -38,9 +38,14 @@ class LoRAAdapter:
 
 def load_adapter(request: LoRARequest, config: GPT2Config, max_rank: int) -> LoRAAdapter:
     """The adapter's factors, after lora_adapter.read_adapter's checks (ParameterError
-    naming lora_path)."""
+    naming lora_path, as for a weights file its header did not show broken)."""
     spec = read_adapter(request.lora_name, request.lora_path, config, max_rank)
-    tensors = load_file(spec.path / ADAPTER_WEIGHTS)
+    try:
+        tensors = load_file(spec.path / ADAPTER_WEIGHTS)
+    except Exception as exc:  # noqa: BLE001 -- safetensors' own error type: a broken file
+        raise ParameterError(
+            "lora_path", f"LoRA adapter {request.lora_name!r}: {ADAPTER_WEIGHTS}: {exc}"
+        ) from exc
     weights = {
         module: (tensors[a].float(), tensors[b].float() * spec.scaling)
         for module, (a, b) in spec.modules.items()

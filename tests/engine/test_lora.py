@@ -315,3 +315,31 @@ def test_logprobs_and_structured_outputs_under_an_adapter(tiny_model_dir, adapte
     )
     [output] = llm.generate(["x"], constrained, use_tqdm=False, lora_request=lora)
     jsonschema.validate(json.loads(output.outputs[0].text), schema)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [b"", b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]", b"\x02\x00\x00\x00\x00\x00\x00\x00{}",
+     b"\x0f\x00\x00\x00\x00\x00\x00\x00" + b'{"a": {"x": 1}}'],
+)  # fmt: skip
+def test_a_broken_weights_file_is_refused_by_name(tiny_model_dir, adapters, tmp_path, weights):
+    folder = copy_adapter(adapters, tmp_path)
+    (Path(folder) / "adapter_model.safetensors").write_bytes(weights)
+    llm = lora_llm(tiny_model_dir)
+    with pytest.raises(ValueError) as error:
+        llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False,
+                     lora_request=LoRARequest("broken", 9, folder))  # fmt: skip
+    assert getattr(error.value, "param", None) == "lora_path"
+
+
+def test_a_truncated_weights_file_is_refused_by_name(tiny_model_dir, adapters, tmp_path):
+    """Its header is whole, its tensors are not: found when the factors load."""
+    folder = copy_adapter(adapters, tmp_path)
+    weights = Path(folder) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    llm = lora_llm(tiny_model_dir)
+    with pytest.raises(ValueError) as error:
+        llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False,
+                     lora_request=LoRARequest("cut", 9, folder))  # fmt: skip
+    assert getattr(error.value, "param", None) == "lora_path"
+    assert llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)  # still serving
