@@ -238,8 +238,8 @@ def test_beams_of_an_adapter_are_the_merged_models(tiny_model_dir, adapters):
 
 
 def test_stats_count_running_and_waiting_requests_per_adapter(tiny_model_dir, adapters, prompts):
-    """One slot for two adapters: one's requests run, the other's wait (first come, first
-    served), and the stats say so by adapter id."""
+    """One slot for two adapters: the first's requests run, the second's waits for the
+    slot, and the stats say so by adapter id."""
     llm = lora_llm(tiny_model_dir, max_loras=1)
     engine = llm.engine
     first, second = adapters["qkv"][0], adapters["all"][0]

@@ -40,28 +40,13 @@ from tests.server.inprocess.test_fuzz import (
     encode,
     post_raw,
 )
+from tests.server.inprocess.test_tool_calls import ADD, WEATHER
 from tests.server.test_load_and_disconnect import wait_for_idle
 
 INSTRUCTIONS = "You answer in Python."
 QUESTION = "Define a class."
 # The conversation of INSTRUCTIONS and QUESTION, as a chat request sends it.
 MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}  # fmt: skip
 # The Responses API's tools are flat: no "function" object around name and parameters.
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "A forecast.",
