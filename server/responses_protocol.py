@@ -44,7 +44,7 @@ from octavo.server.protocol import (
     TopK,
     check_unicode,
 )
-from octavo.server.tool_calls import MAX_TOOLS
+from octavo.server.tool_calls import MAX_TOOLS, FunctionDefinition
 
 logger = logging.getLogger(__name__)
 
@@ -204,16 +204,11 @@ InputItem = Annotated[
 # -- tools and formats ------------------------------------------------------------------------
 
 
-class FunctionTool(BaseModel):
-    """A function the model may call (the Responses API's flat shape of a chat tool)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionTool(FunctionDefinition):
+    """A function the model may call (the Responses API's flat shape of a chat tool: the
+    chat function's fields beside `type`)."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
-    strict: bool | None = None
 
     def chat_tool(self) -> dict[str, Any]:
         return {

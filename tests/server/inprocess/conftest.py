@@ -25,7 +25,7 @@ from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.server.app import create_app
 from octavo.server.chat_template import load_chat_template
 from octavo.server.serving_engine import ServerConfig
-from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME
+from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, TOOL_CHAT_TEMPLATE
 
 T = TypeVar("T")
 BASE_URL = "http://octavo.test"
@@ -163,3 +163,23 @@ def http(app_server) -> httpx.Client:
 def client(app_server) -> openai.OpenAI:
     """The official openai client of the in-process app."""
     return app_server.openai()
+
+
+@pytest.fixture(scope="session")
+def tools_server(tiny_model_dir) -> Iterator[InProcessServer]:
+    """The tiny model served with a tool-aware template and tool_choice "auto" on (the
+    hermes parser), shared by the tool-calling and Responses tests."""
+    server = InProcessServer(
+        tiny_model_dir,
+        chat_template=load_chat_template(TOOL_CHAT_TEMPLATE, tiny_model_dir, "auto"),
+        tool_call_parser="hermes",
+    )
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def tools_client(tools_server) -> openai.OpenAI:
+    return tools_server.openai()

@@ -14,7 +14,6 @@ from typing import get_args
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,13 +23,11 @@ from transformers import PreTrainedTokenizerFast
 from octavo.engine import LLM, SamplingParams
 from octavo.engine.frontend.async_engine import EngineStoppedError
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
-from octavo.server.chat_template import load_chat_template
 from octavo.server.errors import APIError
 from octavo.server.responses_protocol import ResponsesRequest
 from octavo.server.serving_engine import ServerConfig
 from octavo.server.serving_responses import ResponsesServing, ResponseStream
-from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, TOOL_CHAT_TEMPLATE
-from tests.server.inprocess.conftest import InProcessServer
+from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME
 from tests.server.inprocess.test_fuzz import (
     ANYTHING,
     EXTREMES,
@@ -76,25 +73,6 @@ def hf_tokenizer(tiny_model_dir):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{tiny_model_dir}/tokenizer.json")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-@pytest.fixture(scope="module")
-def tools_server(tiny_model_dir):
-    """A server with a tool-aware template and tool_choice "auto" on (the hermes parser)."""
-    app = InProcessServer(
-        tiny_model_dir,
-        chat_template=load_chat_template(TOOL_CHAT_TEMPLATE, tiny_model_dir, "auto"),
-        tool_call_parser="hermes",
-    )
-    try:
-        yield app
-    finally:
-        app.close()
-
-
-@pytest.fixture(scope="module")
-def tools_client(tools_server) -> openai.OpenAI:
-    return tools_server.openai()
 
 
 def sse_events(body: bytes) -> list[dict]:

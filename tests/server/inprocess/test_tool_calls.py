@@ -5,7 +5,6 @@ calls); "none"; "auto" with the hermes parser; a conversation that returns a too
 rendered as transformers renders it; bad tools and tool_choice refused by name."""
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -13,9 +12,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from octavo.engine import LLM, SamplingParams
-from octavo.server.chat_template import load_chat_template
 from tests.server.conftest import MODEL_NAME, TOOL_CHAT_TEMPLATE
-from tests.server.inprocess.conftest import InProcessServer
 
 WEATHER = {
     "type": "object",
@@ -41,25 +38,6 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 MESSAGES = [{"role": "user", "content": "Weather?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir) -> Iterator[InProcessServer]:
-    """A server with a tool-aware template and tool_choice "auto" on (the hermes parser)."""
-    app = InProcessServer(
-        tiny_model_dir,
-        chat_template=load_chat_template(TOOL_CHAT_TEMPLATE, tiny_model_dir, "auto"),
-        tool_call_parser="hermes",
-    )
-    try:
-        yield app
-    finally:
-        app.close()
-
-
-@pytest.fixture(scope="module")
-def tools_client(server) -> openai.OpenAI:
-    return server.openai()
 
 
 def create(client: openai.OpenAI, **kwargs):
@@ -253,30 +231,32 @@ def test_a_conversation_returning_a_tool_result(tools_client, tiny_model_dir):
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )  # fmt: skip
-def test_bad_tools_are_a_400_naming_the_field(server, change, param):
+def test_bad_tools_are_a_400_naming_the_field(tools_server, change, param):
     body = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4} | change
-    response = server.http.post("/v1/chat/completions", json=body)
+    response = tools_server.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error"
 
 
-def test_tools_leave_no_request_running(server):
+def test_tools_leave_no_request_running(tools_server):
     """A forced stream the client leaves after its first event, then a good request: the
     engine is whole."""
     body = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
             "stream": True, "max_tokens": 140}  # fmt: skip
-    with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
+    with tools_server.http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         next(response.iter_lines())
-    ok = server.http.post("/v1/chat/completions", json=body | {"stream": False, "max_tokens": 50})
+    ok = tools_server.http.post(
+        "/v1/chat/completions", json=body | {"stream": False, "max_tokens": 50}
+    )
     assert ok.status_code == 200
     assert isinstance(ok.json()["choices"][0]["message"]["tool_calls"], list)
 
 
-def test_tool_calls_over_raw_http_have_openais_shape(server):
-    response = server.http.post(
+def test_tool_calls_over_raw_http_have_openais_shape(tools_server):
+    response = tools_server.http.post(
         "/v1/chat/completions",
         json={"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": NAMED,
               "max_tokens": 64, "temperature": 0},
