@@ -5,6 +5,9 @@ plain-torch twin:
   (plain torch must first gather them out of their blocks, a copy as large as the keys, every
   layer, every step); twin paged_attention.py's paged_attention_ref (docs/benchmarks/history.md,
   "Decode attention in place");
+- `add_lora_`: the LoRA adapters' share of a product for rows of several adapters, one op
+  where torch takes a gather, two batched products and a scatter; twin
+  engine/worker/lora.py's add_lora_ref;
 - `quantize_rows`, `rescale_rows_`: an int8 layer's per-token activation scaling, one op each
   where torch takes several small ones; twins in engine/worker/models/quantization.py.
 
@@ -29,9 +32,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).resolve().parent / "cpu").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
 # -ffast-math lets the compiler vectorize the softmax's exp (glibc's vector exp) and the dot
 # products' sums; compile flags only, so the process's floating-point mode is left alone.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -56,13 +60,14 @@ def load() -> bool:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    text = _cpu_flags() + "".join(source.read_text() for source in SOURCES)
+    text = _cpu_flags() + "".join(source.read_text() for source in SOURCES + HEADERS)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     try:
         cpp_extension.load(
             name=f"octavo_cpu_ops_{digest}",
             sources=[str(source) for source in SOURCES],
             extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure: the twins run, said once
@@ -105,3 +110,17 @@ def rescale_rows_(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | N
     """out[r] = out[r] * scale[r] + bias in place (float32 arithmetic), for out [R, N] with
     contiguous rows, scale float32 with at least R rows, bias [N] in out's dtype or None."""
     torch.ops.octavo_cpu.rescale_rows_(out, scale, bias)
+
+
+def add_lora_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> None:
+    """out[t] += (x[t] @ lora_a[s]) @ lora_b[s] in place for s = token_slots[t] (a row of -1
+    is left), in float32 arithmetic: out [T, N] and x [T, K] with contiguous rows, lora_a
+    [S, K, R] and lora_b [S, R, N] contiguous with R a multiple of 16, token_slots int64 [T];
+    all of one dtype (float32, bfloat16 or float16). Needs load() to have returned True."""
+    torch.ops.octavo_cpu.add_lora_(out, x, lora_a, lora_b, token_slots)

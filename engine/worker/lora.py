@@ -3,15 +3,16 @@ base model: a row x of an adapted request gets `x @ A.T @ B.T * scaling` added t
 product's output. The base weights are never changed, so rows of different adapters and of
 the base run in one step.
 
-`LoRALayers` replaces each target product by a `LoRALinear` holding `max_loras` slots of
-stacked, zero-padded A and B (scaling folded into B), filled as adapters become active;
-`LoRAManager` loads and checks adapters (a CPU cache of `max_cpu_loras`), gives each
-adapter of a step a slot, and hands the layers the step's rows per slot (`LoRABatch`).
+`LoRAManager` replaces each target product by a `LoRALinear` holding `max_loras` slots of
+stacked, zero-padded A and B (scaling folded into B), filled as adapters become active; it
+loads and checks adapters (a CPU cache of `max_cpu_loras`), gives each adapter of a step a
+slot, and hands the layers each token's slot (`LoRABatch`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,6 +26,11 @@ from octavo.engine.lora_adapter import ADAPTER_WEIGHTS, TARGETS, read_adapter, t
 from octavo.engine.lora_request import LoRARequest
 from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.kernels import cpu_ops
+
+AddLoRA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# The CPU operator reads the factors' ranks sixteen at a time (one AVX-512 register).
+RANK_MULTIPLE = 16
 
 
 @dataclass
@@ -53,47 +59,55 @@ def load_adapter(request: LoRARequest, config: GPT2Config, max_rank: int) -> LoR
     return LoRAAdapter(request.lora_int_id, weights)
 
 
+def add_lora_ref(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> None:
+    """cpu_ops.add_lora_ in torch: out[t] += (x[t] @ lora_a[s]) @ lora_b[s] for s =
+    token_slots[t] >= 0, one slot's rows at a time."""
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = (token_slots == slot).nonzero().squeeze(1)
+            out.index_add_(0, rows, x[rows] @ lora_a[slot] @ lora_b[slot])
+
+
 @dataclass
 class LoRABatch:
-    """A step's rows by adapter slot, shared by every LoRALinear (set by `LoRAManager.prepare`):
-    - `slot`: the one slot of a step whose every row has the same adapter;
-    - or, for rows of several adapters (and maybe the base), G groups padded to the largest
-      one's L rows: `slots` [G], `padded_rows` [G, L] (each group's rows, padded with row
-      0), `valid` [V] (the real entries of the flattened G x L grid; None when no group is
-      padded) and `rows` [V] (their rows), so that a product's adapters run as two batched
-      products, not two per group;
-    - neither: no adapter in the step."""
+    """A step's adapters, shared by every LoRALinear (set by `LoRAManager.prepare`):
+    `token_slots` [T], each token's adapter slot (-1: the base), or None when no token of
+    the step has an adapter."""
 
-    slot: int | None = None
-    slots: torch.Tensor | None = None
-    leading_slots: bool = False  # slots are 0..G-1 in order
-    padded_rows: torch.Tensor | None = None
-    valid: torch.Tensor | None = None  # None: no group is padded
-    rows: torch.Tensor | None = None
-
-    def clear(self) -> None:
-        self.slot = self.slots = self.padded_rows = self.valid = self.rows = None
-        self.leading_slots = False
+    token_slots: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
-    """A product with `max_loras` adapter slots beside it: base(x), plus for the rows of
-    each slot of the step x @ A[slot].T @ B[slot].T (an empty slot is zeros). A and B are
-    kept transposed ([slots, in, rank], [slots, rank, out]) for the batched products."""
+    """A product with `max_loras` adapter slots beside it: base(x), plus for each row of an
+    adapter's slot x @ A[slot] @ B[slot] (`add_lora`: cpu_ops.add_lora_ or its torch twin).
+    A and B are kept transposed ([slots, in, rank], [slots, rank, out]), rank padded with
+    zeros to `padded_rank`, as the CPU operator reads them."""
 
     def __init__(
         self, base: nn.Module, in_features: int, out_features: int, max_loras: int,
-        max_rank: int, batch: LoRABatch, dtype: torch.dtype, device: torch.device,
+        padded_rank: int, batch: LoRABatch, add_lora: AddLoRA, dtype: torch.dtype,
+        device: torch.device,
     ):  # fmt: skip
         super().__init__()
         self.base = base
         self.batch = batch
+        self.add_lora = add_lora
         # Plain tensors, not buffers: no state dict holds them.
-        self.lora_a = torch.zeros((max_loras, in_features, max_rank), dtype=dtype, device=device)
-        self.lora_b = torch.zeros((max_loras, max_rank, out_features), dtype=dtype, device=device)
+        shape_a, shape_b = (
+            (max_loras, in_features, padded_rank),
+            (max_loras, padded_rank, out_features),
+        )
+        self.lora_a = torch.zeros(shape_a, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(shape_b, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Fills `slot` with (A [rank, in], B [out, rank]) zero-padded to max_rank, or zeros."""
+        """Fills `slot` with (A [rank, in], B [out, rank]) zero-padded, or zeros."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if factors is not None:
@@ -104,23 +118,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        batch = self.batch
-        if batch.slot is not None:
-            return torch.addmm(out, x @ self.lora_a[batch.slot], self.lora_b[batch.slot])
-        if batch.slots is None:
-            return out
-        assert batch.padded_rows is not None and batch.rows is not None
-        groups, length = batch.padded_rows.shape
-        if batch.leading_slots:  # slots 0..G-1 in order: views, no copies
-            lora_a, lora_b = self.lora_a[:groups], self.lora_b[:groups]
-        else:
-            lora_a = self.lora_a.index_select(0, batch.slots)
-            lora_b = self.lora_b.index_select(0, batch.slots)
-        grown = torch.bmm(torch.bmm(x[batch.padded_rows], lora_a), lora_b)
-        grown = grown.view(groups * length, -1)
-        if batch.valid is not None:  # some groups padded
-            grown = grown.index_select(0, batch.valid)
-        return out.index_add_(0, batch.rows, grown)
+        if self.batch.token_slots is not None:
+            self.add_lora(out, x, self.lora_a, self.lora_b, self.batch.token_slots)
+        return out
 
 
 class LoRAManager:
@@ -142,6 +142,9 @@ class LoRAManager:
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.batch = LoRABatch()
+        padded_rank = -(-max_rank // RANK_MULTIPLE) * RANK_MULTIPLE
+        fused = device.type == "cpu" and cpu_ops.load()
+        add_lora = cpu_ops.add_lora_ if fused else add_lora_ref
         self.layers: dict[str, LoRALinear] = {}
         for layer, block in enumerate(cast(nn.ModuleList, model.h)):
             for target in TARGETS:
@@ -149,8 +152,8 @@ class LoRAManager:
                 owner = getattr(block, owner_name)
                 in_features, out_features = target_shape(config, target)
                 wrapped = LoRALinear(
-                    getattr(owner, product), in_features, out_features, max_loras, max_rank,
-                    self.batch, dtype, device,
+                    getattr(owner, product), in_features, out_features, max_loras,
+                    padded_rank, self.batch, add_lora, dtype, device,
                 )  # fmt: skip
                 setattr(owner, product, wrapped)
                 self.layers[f"h.{layer}.{target}"] = wrapped
@@ -185,31 +188,17 @@ class LoRAManager:
 
     def prepare(self, token_lora_ids: np.ndarray | None, device: torch.device) -> None:
         """The step's `LoRABatch` from each token's adapter id (0: the base)."""
-        batch = self.batch
-        batch.clear()
+        self.batch.token_slots = None
         if token_lora_ids is None:
             return
         ids = np.unique(token_lora_ids)
         ids = ids[ids != 0]
         if not len(ids):
             return
-        slots = self._slots_for([int(i) for i in ids])
-        if len(ids) == 1 and (token_lora_ids == ids[0]).all():
-            batch.slot = slots[0]
-            return
-        members = [np.flatnonzero(token_lora_ids == lora_int_id) for lora_int_id in ids]
-        length = max(len(rows) for rows in members)
-        padded = np.zeros((len(ids), length), dtype=np.int64)
-        valid = []
-        for group, rows in enumerate(members):
-            padded[group, : len(rows)] = rows
-            valid.append(np.arange(group * length, group * length + len(rows)))
-        batch.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        batch.leading_slots = slots == list(range(len(slots)))
-        batch.padded_rows = torch.from_numpy(padded).to(device)
-        if any(len(rows) < length for rows in members):
-            batch.valid = torch.from_numpy(np.concatenate(valid)).to(device)
-        batch.rows = torch.from_numpy(np.concatenate(members)).to(device)
+        token_slots = np.full(len(token_lora_ids), -1, dtype=np.int64)
+        for lora_int_id, slot in zip(ids, self._slots_for([int(i) for i in ids]), strict=True):
+            token_slots[token_lora_ids == lora_int_id] = slot
+        self.batch.token_slots = torch.from_numpy(token_slots).to(device)
 
     def _slots_for(self, ids: list[int]) -> list[int]:
         """A slot for each adapter of the step (at most max_loras), loading those that have

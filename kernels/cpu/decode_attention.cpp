@@ -19,23 +19,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
-namespace {
+#include "float_cast.h"
 
-// Storage dtype -> float. bfloat16 by its bits (the top half of a float), which compilers
-// vectorize; c10::BFloat16's own conversion goes through a function they do not.
-template <typename scalar_t>
-inline float to_float(scalar_t x) { return static_cast<float>(x); }
-template <>
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+namespace {
 
 // Rows ahead of the one being read that a task asks the memory for: a row's compute is too
 // short for the hardware prefetcher, which also stops at each block's end.

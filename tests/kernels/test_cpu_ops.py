@@ -2,11 +2,13 @@
 paged_attention_ref: float32 and bfloat16, grouped and multi-query heads, GPT-2's head size
 (compiled for it) and another, few sequences (a task per head) and many (a task per
 sequence), a strided query; unused cache slots hold NaN, so a read past a sequence's keys
-shows. The int8 layer's row scaling against quantization.py's twins."""
+shows. The int8 layer's row scaling against quantization.py's twins. The LoRA operator
+against lora.py's add_lora_ref."""
 
 import pytest
 import torch
 
+from octavo.engine.worker.lora import add_lora_ref
 from octavo.engine.worker.models.quantization import Int8Linear, quantize_per_row, rescale_rows_ref
 from octavo.kernels import cpu_ops
 from octavo.kernels.paged_attention import paged_attention_ref
@@ -99,3 +101,28 @@ def test_int8_layer_without_the_operators_gives_the_same_product(monkeypatch):
     monkeypatch.setattr(cpu_ops, "load", lambda: False)
     unfused = Int8Linear(layer)(x)
     torch.testing.assert_close(fused, unfused, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "rank"),
+    [(64, 96, 16), (37, 200, 32), (48, 8, 16)],
+    ids=["whole_tiles", "odd_input_column_tail", "columns_narrower_than_a_vector"],
+)
+def test_add_lora_is_its_torch_twin(dtype, in_features, out_features, rank):
+    """Rows of three slots (one with more rows than a block), of no slot, in any order; x a
+    strided view, as a projection's slice is."""
+    generator = torch.Generator().manual_seed(in_features)
+    slots = torch.tensor([2, -1, 0, 2, 2, 1, -1] + [0] * 12 + [2, 1], dtype=torch.long)
+    wide = torch.randn(len(slots), 2 * in_features, generator=generator).to(dtype)
+    x = wide[:, in_features:]
+    lora_a = (torch.randn(3, in_features, rank, generator=generator) / in_features**0.5).to(dtype)
+    lora_b = torch.randn(3, rank, out_features, generator=generator).to(dtype)
+    out = torch.randn(len(slots), out_features, generator=generator).to(dtype)
+    before = out.clone()
+    want = out.to(torch.float32, copy=True)
+    add_lora_ref(want, x.float(), lora_a.float(), lora_b.float(), slots)
+    cpu_ops.add_lora_(out, x, lora_a, lora_b, slots)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tolerance * 4, rtol=tolerance)
+    assert torch.equal(out[slots < 0], before[slots < 0])
