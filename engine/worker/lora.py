@@ -27,6 +27,7 @@ from octavo.engine.lora_request import LoRARequest
 from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.kernels import cpu_ops
+from octavo.kernels import lora as triton_lora
 
 AddLoRA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 # The CPU operator reads the factors' ranks sixteen at a time (one AVX-512 register).
@@ -85,7 +86,8 @@ class LoRABatch:
 
 class LoRALinear(nn.Module):
     """A product with `max_loras` adapter slots beside it: base(x), plus for each row of an
-    adapter's slot x @ A[slot] @ B[slot] (`add_lora`: cpu_ops.add_lora_ or its torch twin).
+    adapter's slot x @ A[slot] @ B[slot] (`add_lora`: cpu_ops.add_lora_, kernels/lora.py's
+    on a GPU, or their torch twin).
     A and B are kept transposed ([slots, in, rank], [slots, rank, out]), rank padded with
     zeros to `padded_rank`, as the CPU operator reads them."""
 
@@ -143,8 +145,11 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.batch = LoRABatch()
         padded_rank = -(-max_rank // RANK_MULTIPLE) * RANK_MULTIPLE
-        fused = device.type == "cpu" and cpu_ops.load()
-        add_lora = cpu_ops.add_lora_ if fused else add_lora_ref
+        add_lora: AddLoRA = add_lora_ref  # a CPU that cannot build its operators
+        if device.type == "cuda":
+            add_lora = triton_lora.add_lora
+        elif cpu_ops.load():
+            add_lora = cpu_ops.add_lora_
         self.layers: dict[str, LoRALinear] = {}
         for layer, block in enumerate(cast(nn.ModuleList, model.h)):
             for target in TARGETS:

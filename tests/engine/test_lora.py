@@ -207,11 +207,13 @@ def test_each_row_gets_its_own_adapters_product(
     requests = {request.lora_int_id: request for request, _ in adapters.values()}
     for request in requests.values():
         manager.add(request)
-    manager.prepare(np.array([3, 2, 1]), torch.device("cpu"))  # slots: id 1 -> 0, 2 -> 1, 3 -> 2
     layer = manager.layers["h.0.attn.c_attn"]
+    device = layer.lora_a.device  # the CPU, or a GPU under --engine-device
+    manager.prepare(np.array([3, 2, 1]), device)  # slots: id 1 -> 0, 2 -> 1, 3 -> 2
     ids = np.array(token_ids)
-    manager.prepare(ids, torch.device("cpu"))
+    manager.prepare(ids, device)
     x = torch.randn(len(ids), layer.lora_a.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(device)
     with torch.inference_mode():
         got = layer(x)
         base = layer.base(x)
@@ -224,7 +226,7 @@ def test_each_row_gets_its_own_adapters_product(
             factors = adapter.weights.get("h.0.attn.c_attn")
             if factors is not None:
                 a, b = factors
-                want = want + (x[row] @ a.t()) @ b.t()
+                want = want + (x[row] @ a.t().to(device)) @ b.t().to(device)
         torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
 
 
