@@ -12,7 +12,7 @@ runs of the same requests, alternating, --repeats timed rounds after an untimed 
 
 Reported: output tok/s of each (median) and each over base's.
 
-    .venv/bin/python benchmarks/lora_bench.py --dtype bfloat16 --repeats 3
+    .venv/bin/python benchmarks/lora_bench.py --dtype bfloat16 --repeats 5
     .venv/bin/python benchmarks/lora_bench.py --smoke --result-file /tmp/l.json
 """
 
