@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_session.sh arrivals OUT_DIR  # steps under arrivals, --prefill-interval
 #   bash benchmarks/gpu_session.sh speculative OUT_DIR  # n-gram and draft-model speculation on
 #       # the embedded model at batch 1 (1 / tok/s is the ITL) and 8, fp16 and float32
+#   bash benchmarks/gpu_session.sh lora OUT_DIR  # the LoRA tests on CUDA (Triton BGMV kernels
+#       # against PEFT's merged models), then 8 adapters of rank 16 mixed against the base
 #   bash benchmarks/gpu_session.sh piecewise OUT_DIR  # piecewise graphs (the CUDA default) against eager;
 #       # latency at --prefill-interval 8 (the CUDA default) and 1
 #   bash benchmarks/gpu_session.sh served_loss OUT_DIR  # where served throughput and one
@@ -40,7 +42,7 @@
 # device in its name. A failing command is logged and the stage goes on; the exit status is
 # that of the first failure.
 set -u
-usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|served_loss|served_loss_compare|arrivals|piecewise|speculative|compare|fusions|serve_compare OUT_DIR"
+usage="usage: gpu_session.sh tests|kernels|engine|offline|serve|served_loss|served_loss_compare|arrivals|piecewise|speculative|lora|compare|fusions|serve_compare OUT_DIR"
 stage=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -301,6 +303,12 @@ speculative)
             --dtype "$dtype" --batch-sizes 1 8 --repeats 5 \
             --result-file "$out/speculative_decoding_$dtype.json"
     done
+    ;;
+lora)
+    step lora_tests "$python" -m pytest -v -rf -n 4 tests/engine/test_lora.py tests/kernels/test_lora_kernel.py \
+        --engine-device cuda -p no:cacheprovider --timeout 300
+    step lora_bench "$python" benchmarks/lora_bench.py --device cuda --dtype float16 --preset gpt2 \
+        --batch 256 --repeats 5 --result-file "$out/lora_bench_gpt2.json"
     ;;
 serve_compare)
     # One offline run, then both trees' servers on the same requests, streamed and

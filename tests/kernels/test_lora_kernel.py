@@ -9,6 +9,8 @@ from octavo.engine.worker.lora import add_lora_ref
 from octavo.kernels.lora import add_lora
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+# Compiled on a GPU; the interpreter (tests/conftest.py) on a CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -27,7 +29,9 @@ def test_add_lora_is_its_torch_twin(dtype, in_features, out_features, rank):
     want = out.to(torch.float32, copy=True)
     add_lora_ref(want, x.float(), lora_a.float(), lora_b.float(), slots)
     before = out.clone()
-    add_lora(out, x, lora_a, lora_b, slots)
+    on_device = [t.to(DEVICE) for t in (out, x, lora_a, lora_b, slots)]
+    add_lora(*on_device)
+    out = on_device[0].cpu()
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), want, atol=tolerance * 4, rtol=tolerance)
     assert torch.equal(out[slots < 0], before[slots < 0])
