@@ -101,7 +101,8 @@ def decode_attention(
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantization.quantize_per_row(x) in one op: (q int8 [R, C], scale float32 [R, 1])."""
+    """quantization.quantize_activations(x) in one op: (q uint8 [R, C], the codes offset by
+    128; scale float32 [R, 1])."""
     q, scale = torch.ops.octavo_cpu.quantize_rows(x)
     return q, scale
 

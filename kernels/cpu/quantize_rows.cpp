@@ -2,9 +2,10 @@
 // of an int8 product's rows, each one op where torch takes several small ones (the
 // difference is most of a layer's work at one row; quantization.py has the scheme).
 //
-// octavo_cpu::quantize_rows(x [R, C]) -> (q int8 [R, C], scale float32 [R, 1]):
+// octavo_cpu::quantize_rows(x [R, C]) -> (q uint8 [R, C], scale float32 [R, 1]):
 //   scale = max |x[r]| / 127 (a tiny positive number for an all-zero row),
-//   q = round(x / scale), as torch.round (half to even).
+//   q = round(x / scale) + 128, as torch.round (half to even): symmetric codes stored
+//   unsigned, zero point 128 (quantization.py says why).
 // octavo_cpu::rescale_rows_(out [R, N], scale float32 [R, 1], bias [N]?) -> ():
 //   out[r] = out[r] * scale[r] + bias, in place, computed in float32.
 
@@ -21,13 +22,14 @@
 namespace {
 
 constexpr float kInt8Max = 127.0f;
+constexpr float kZeroPoint = 128.0f;
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x [R, C] with contiguous rows");
   const int64_t rows = x.size(0), cols = x.size(1);
-  at::Tensor q = at::empty({rows, cols}, x.options().dtype(at::kChar));
+  at::Tensor q = at::empty({rows, cols}, x.options().dtype(at::kByte));
   at::Tensor scale = at::empty({rows, 1}, x.options().dtype(at::kFloat));
-  int8_t* q_ptr = q.data_ptr<int8_t>();
+  uint8_t* q_ptr = q.data_ptr<uint8_t>();
   float* scale_ptr = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* x_ptr = x.data_ptr<scalar_t>();
@@ -41,10 +43,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
         }
         const float s = std::max(top, std::numeric_limits<float>::min()) / kInt8Max;
         scale_ptr[r] = s;
-        const float inverse = 1.0f / s;
-        int8_t* out = q_ptr + r * cols;
+        // An all-zero row's tiny scale has no finite inverse: its codes are the zero point
+        // (0 x inf would be NaN, whose conversion to an integer is undefined).
+        const float inverse =
+            top > 0.0f ? std::min(1.0f / s, std::numeric_limits<float>::max()) : 0.0f;
+        uint8_t* out = q_ptr + r * cols;
         for (int64_t c = 0; c < cols; ++c) {
-          out[c] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[c]) * inverse));
+          const float code = std::nearbyint(static_cast<float>(row[c]) * inverse);
+          out[c] = static_cast<uint8_t>(code + kZeroPoint);
         }
       }
     });

@@ -6,7 +6,10 @@ q_w in [-127, 127], s_w = max |w[row]| / 127. Each step's activations are quanti
 (per token), symmetric, at run time: x ~ q_x * s_x. Then x w^T ~ (q_x q_w^T) * s_x * s_w,
 with q_x q_w^T exact in int32: only the two roundings to int8 cost accuracy. Per token, not
 per tensor (one scale for the step, as torch's dynamic quantization takes), so that one
-token's large activation does not coarsen the rest of the batch.
+token's large activation does not coarsen the rest of the batch. The activations' codes are
+stored unsigned, q_x + 128 with zero point 128, the same products exactly: oneDNN's int8
+kernels take unsigned activations (AVX512-VNNI multiplies u8 by s8; AMX takes either), and
+signed ones fall to its reference kernel on a CPU without AMX, about a thousand times slower.
 
 Why torch's own oneDNN operators (`onednn::qlinear_prepack`, `onednn::qlinear_pointwise`,
 the ones Inductor's x86 int8 path emits) and not torchao: torchao's eager CPU int8 layers
@@ -24,14 +27,22 @@ from octavo.engine.worker.models.linear import pad_rows
 from octavo.kernels import cpu_ops
 
 INT8_MAX = 127
+ZERO_POINT = 128  # the activations' unsigned codes: q_x + ZERO_POINT
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [R, C], scale float32 [R, 1]) with x ~ q * scale, symmetric per row. An all-zero
-    row gets a tiny scale and zeros. (cpu_ops.quantize_rows is the same in one op.)"""
+    row gets a tiny scale and zeros."""
     scale = x.abs().amax(dim=1, keepdim=True).float()
     scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(INT8_MAX)
     return x.div(scale).round_().to(torch.int8), scale
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q uint8 [R, C], scale float32 [R, 1]): quantize_per_row's codes + ZERO_POINT, as the
+    product takes them. (cpu_ops.quantize_rows is the same in one op.)"""
+    q, scale = quantize_per_row(x)
+    return (q.to(torch.int16) + ZERO_POINT).to(torch.uint8), scale
 
 
 def rescale_rows_ref(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -58,17 +69,17 @@ class Int8Linear(nn.Module):
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int32)
         self.bias = layer.bias
         fused = cpu_ops.load()
-        self.quantize = cpu_ops.quantize_rows if fused else quantize_per_row
+        self.quantize = cpu_ops.quantize_rows if fused else quantize_activations
         self.rescale_ = cpu_ops.rescale_rows_ if fused else rescale_rows_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         q, scale = self.quantize(pad_rows(x))
         # The activations' scale is applied per row after the product (oneDNN takes one
-        # scale for all of q): 1.0 here, so out = (q q_w^T) * s_w.
+        # scale for all of q): 1.0 here, so out = ((q - ZERO_POINT) q_w^T) * s_w.
         out = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 0, self.packed, self.weight_scale, self.zero_points, None, 1.0, 0, x.dtype,
-            "none", [], "",
+            q, 1.0, ZERO_POINT, self.packed, self.weight_scale, self.zero_points, None, 1.0, 0,
+            x.dtype, "none", [], "",
         )[:rows]  # fmt: skip
         self.rescale_(out, scale, self.bias)
         return out
