@@ -1,8 +1,11 @@
 """`--quantization int8`: the layer against its exact integer twin and the float product,
-the embedded model's quality against HF's bfloat16 (greedy tokens, perplexity), and clear
-errors for what it does not support."""
+the embedded model's quality against HF's bfloat16 (greedy tokens, perplexity), the oneDNN
+kernel it runs on, and clear errors for what it does not support."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import tokenizers
@@ -38,6 +41,25 @@ def int8_linear_ref(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     qx, sx = quantize_per_row(x)
     product = qx.double() @ qw.double().t()
     return product * sx.double() * sw.double().t() + layer.bias.double()
+
+
+def test_int8_product_never_takes_onednns_reference_kernel():
+    """oneDNN falls back to its reference int8 matmul (a thousand times slower) for operand
+    types the CPU's int8 units do not take, as signed activations on a CPU without AMX:
+    the implementation it names for the layer's product (ONEDNN_VERBOSE) is never `ref`."""
+    script = (
+        "import torch\n"
+        "from octavo.engine.worker.models.quantization import Int8Linear\n"
+        "layer = torch.nn.Linear(64, 32).to(torch.bfloat16)\n"
+        "Int8Linear(layer)(torch.randn(4, 64).to(torch.bfloat16))\n"
+    )
+    env = {**os.environ, "ONEDNN_VERBOSE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    matmuls = [line for line in run.stdout.splitlines() if ",exec,cpu,matmul," in line]
+    assert matmuls, run.stdout[-2000:]
+    assert not any(",ref" in line for line in matmuls), matmuls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
