@@ -247,16 +247,22 @@ def test_beams_of_an_adapter_are_the_merged_models(tiny_model_dir, adapters):
         assert [o.score for o in output.outputs] == pytest.approx(scores, abs=1e-4)
 
 
+def one_slot_engine_after_a_step(tiny_model_dir, prompts, loras):
+    """An engine of one adapter slot given request r{i} of prompts[i] under loras[i] (None:
+    the base), 4 greedy tokens each, after its first step."""
+    engine = lora_llm(tiny_model_dir, max_loras=1).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, lora in enumerate(loras):
+        engine.add_request(f"r{i}", prompts[i], params, lora_request=lora)
+    engine.step()
+    return engine
+
+
 def test_stats_count_running_and_waiting_requests_per_adapter(tiny_model_dir, adapters, prompts):
     """One slot for two adapters: the first's requests run, the second's waits for the
     slot, and the stats say so by adapter id."""
-    llm = lora_llm(tiny_model_dir, max_loras=1)
-    engine = llm.engine
     first, second = adapters["qkv"][0], adapters["all"][0]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for i, lora in enumerate([first, first, second]):
-        engine.add_request(f"r{i}", prompts[i], params, lora_request=lora)
-    engine.step()
+    engine = one_slot_engine_after_a_step(tiny_model_dir, prompts, [first, first, second])
     stats = engine.stats()
     assert stats.lora_running == {first.lora_int_id: 2}
     assert stats.lora_waiting == {second.lora_int_id: 1}
@@ -283,13 +289,8 @@ def test_a_request_whose_adapter_finds_no_slot_does_not_hold_back_others(
     """One slot, taken by the first adapter: the second adapter's request is passed over
     (keeping its place), the base request behind it runs, and the second runs once the
     slot frees (the one_slot case above checks the tokens)."""
-    llm = lora_llm(tiny_model_dir, max_loras=1)
-    engine = llm.engine
     first, second = adapters["qkv"][0], adapters["all"][0]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for i, lora in enumerate([first, second, None]):
-        engine.add_request(f"r{i}", prompts[i], params, lora_request=lora)
-    engine.step()
+    engine = one_slot_engine_after_a_step(tiny_model_dir, prompts, [first, second, None])
     assert [g.request_id for g in engine.scheduler.running] == ["r0", "r2"]
     assert [g.request_id for g in engine.scheduler.waiting] == ["r1"]
     while engine.has_unfinished_requests():
