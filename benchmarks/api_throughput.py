@@ -23,11 +23,9 @@ Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
 import msgspec
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.provenance import git_commit, write_result
+from octavo.benchmarks.provenance import header, host_info, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.benchmarks.workload import length_range
 from octavo.engine.config import EngineConfig
@@ -240,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             f"client CPU {run['client_cpu_share_of_a_core']:.0%} of a core"
         )
     result = {
-        "benchmark": "api_throughput",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "commit": git_commit(Path(__file__).resolve().parents[1]),
+        **header("api_throughput", host_info()),
         "workload": {
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,

@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from octavo.benchmarks.provenance import header, host_info
+from octavo.benchmarks.provenance import header, machine
 from octavo.engine import LLM, EngineConfig, LLMEngine
 from octavo.engine.config import DTYPES
 
@@ -323,17 +323,14 @@ def safe_div(a: float | None, b: float | None) -> float | None:
 
 
 def machine_info(device: str) -> dict:
-    """`host_info()` with torch's threads and versions, and the GPU's name on CUDA."""
-    info = {
-        **host_info(),
+    """provenance's `machine(device)` with torch's threads and versions."""
+    return {
+        **machine(device),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": device,
     }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
 
 
 def result_header(benchmark: str, device: str) -> dict:

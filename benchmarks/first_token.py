@@ -43,7 +43,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.provenance import REPO_ROOT, git_commit, write_result
+from octavo.benchmarks.provenance import REPO_ROOT, header, machine, write_result
 from octavo.benchmarks.sse_client import free_port, running_server
 from octavo.engine.config import DTYPES
 from octavo.server.server_args import ServerArgs
@@ -216,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         served = run_served(model, args, vocab)
         engine = run_engine(model, args, vocab)
     result = {
-        "benchmark": "first_token",
-        "machine": serving_throughput.machine(args.device),
-        "commit": git_commit(REPO_ROOT),
+        **header("first_token", machine(args.device)),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "served": served,
         "engine": engine,

@@ -27,10 +27,8 @@ subprocess, for a before/after in one run. Speed is never asserted in tests.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -44,9 +42,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
-from octavo.benchmarks.common import PhaseTimer
+from octavo.benchmarks.common import PhaseTimer, result_header
 from octavo.benchmarks.provenance import git_commit
 from octavo.benchmarks.workload import length_range
 from octavo.engine.config import EngineConfig
@@ -219,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     here = Path(__file__).resolve().parents[1]
     result: dict = {
-        "benchmark": "host_overhead",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "torch_threads": torch.get_num_threads(), "device": args.device},
+        **result_header("host_overhead", args.device),
         "workload": {
             "model": f"{args.layers}x{args.hidden} GPT-2, {args.heads} heads, vocab "
             f"{args.vocab}, dummy weights",

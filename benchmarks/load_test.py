@@ -19,7 +19,6 @@ import asyncio
 import datetime as dt
 import json
 import math
-import platform
 import random
 import statistics
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import httpx
 from tqdm.auto import tqdm
+
+from octavo.benchmarks.provenance import host_info
 
 PERCENTILES = (50, 90, 99)
 
@@ -433,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "benchmark": "load_test",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "machine": host_info(),
         "settings": {
             k: _jsonable(v) for k, v in vars(args).items() if k != "api_key" and not callable(v)
         }

@@ -33,6 +33,17 @@ def host_info() -> dict:
     }
 
 
+def machine(device: str) -> dict:
+    """`host_info()`, and the GPU's name when `device` is CUDA (torch is imported only then,
+    so a torch-free script stays so on a CPU)."""
+    info = host_info()
+    if device.startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
 def git_commit(root: Path) -> str | None:
     """The short commit of the checkout at `root`, or None outside git."""
     try:

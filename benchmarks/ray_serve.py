@@ -29,10 +29,8 @@ once, streamed, usage in the last event.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -46,7 +44,7 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks.provenance import git_commit  # noqa: E402
+from octavo.benchmarks.provenance import header, host_info  # noqa: E402
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server  # noqa: E402
 from octavo.server.ray_serve.messages import REPLICA_HEADER  # noqa: E402
 from octavo.server.server_args import DEFAULT_MODEL  # noqa: E402
@@ -214,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = measure_routing(args, name, replicas)
             print(f"  hit rate {runs[name]['hit_rate']:.2f}")
     result = {
-        "benchmark": "ray_serve",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "commit": git_commit(Path(__file__).resolve().parents[1]),
+        **header("ray_serve", host_info()),
         "settings": {k: v for k, v in vars(args).items() if k != "result_file"},
         "throughput": throughput,
         "routing": routing,

@@ -49,11 +49,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import itertools
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -73,7 +71,7 @@ except ImportError:  # run as a plain script: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octavo.benchmarks.processes import cpu_seconds, process_tree
-from octavo.benchmarks.provenance import REPO_ROOT, git_commit, write_result
+from octavo.benchmarks.provenance import REPO_ROOT, git_commit, header, machine, write_result
 from octavo.benchmarks.sse_client import free_port, run_clients, running_server
 from octavo.benchmarks.workload import length_range
 from octavo.engine.config import DTYPES
@@ -214,16 +212,6 @@ def write_model(folder: Path, args: argparse.Namespace) -> int:
     (folder / "config.json").write_text(json.dumps(config))
     shutil.copy(DEFAULT_MODEL / "tokenizer.json", folder / "tokenizer.json")
     return vocab
-
-
-def machine(device: str) -> dict:
-    """The host, and the GPU's name when the engine runs on one."""
-    info: dict = {"cpus": os.cpu_count(), "platform": platform.platform()}
-    if device.startswith("cuda"):
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
@@ -506,10 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = write_model(model, args)
         requests = make_requests(args, vocab)
         result: dict = {
-            "benchmark": "serving_throughput",
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "machine": machine(args.device),
-            "commit": git_commit(here),
+            **header("serving_throughput", machine(args.device)),
             "workload": {
                 "model": f"{args.layers}x{args.hidden} GPT-2, vocab {vocab}, dummy weights",
                 "device": args.device,

@@ -67,7 +67,7 @@ def test_host_overhead_measures_a_different_baseline_and_attributes_it(tmp_path)
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(result_file.read_text())
-    assert result["machine"]["cpus"] == os.cpu_count()
+    assert result["machine"]["cpu_count"] == os.cpu_count() and result["machine"]["cpu_model"]
     assert result["workload"]["output_len"] == OUTPUT_LEN and result["workload"]["repeats"] == 1
     assert result["workload"]["prompt_len"] == [3, 9]
     ours_name, before_name = f"octavo@{short_commit(ROOT)}", f"before@{short_commit(before)}"
