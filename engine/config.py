@@ -111,8 +111,9 @@ class EngineConfig:
                                   "choices": _ATTENTION_BACKENDS}
     )  # fmt: skip
     enforce_eager: bool = field(
-        default=False, metadata={"help": "never replay decode steps from CUDA graphs"}
-    )
+        default=False, metadata={"help": "run every step op by op: no decode step replayed "
+                                 "from CUDA graphs (CUDA), none fused into one call (CPU)"}
+    )  # fmt: skip
     piecewise_cuda_graphs: bool | None = field(
         default=None,
         metadata={"help": "also replay the steps decode graphs do not take (steps that "
@@ -274,6 +275,18 @@ class EngineConfig:
         return (
             self.device_type == "cuda"
             and self.backend_name == "triton"
+            and not self.enforce_eager
+            and not self.enable_lora
+        )
+
+    @property
+    def uses_fused_decode(self) -> bool:
+        """Whether small decode steps run as one fused call (engine/worker/fused_decode.py,
+        where the model allows): the torch backend on a CPU, not eager, no LoRA (the fused
+        products have no adapters)."""
+        return (
+            self.device_type == "cpu"
+            and self.backend_name == "torch"
             and not self.enforce_eager
             and not self.enable_lora
         )

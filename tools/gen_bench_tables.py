@@ -128,8 +128,9 @@ def cpu_peers(title: str, files: list[Result]) -> list[str]:
                 rows.append(
                     [f"{key}: {work['concurrency']} streams, tok/s"] + [num(r) for r in rates]
                 )
-                ttfts = [c["ttft"]["median_ms"] if c else None for c in cells]
-                rows.append([f"{key}: TTFT median, ms"] + [num(t) for t in ttfts])
+                for stat, label in (("ttft", "TTFT"), ("itl", "ITL")):
+                    medians = [c[stat]["median_ms"] if stat in c else None for c in cells]
+                    rows.append([f"{key}: {label} median, ms"] + [num(m) for m in medians])
             else:
                 shape, width = work["shape"], work.get("beam_width")
                 what = plural(work["requests"], "request") + (f", width {width}" if width else "")

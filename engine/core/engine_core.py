@@ -172,6 +172,8 @@ class EngineCore:
             grammars,
             lora,
         )
+        if config.uses_fused_decode:
+            self.runner.use_fused_decode()
         if config.uses_cuda_graphs:
             self.runner.capture_cuda_graphs(
                 config.max_num_seqs,

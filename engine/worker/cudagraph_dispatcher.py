@@ -1,10 +1,12 @@
-"""Which way a step's forward runs: a full decode graph, piecewise graphs, or eagerly."""
+"""Which way a step's forward runs: a full decode graph (or the CPU's fused decode step),
+piecewise graphs, or eagerly."""
 
 from __future__ import annotations
 
 import enum
 
 from octavo.engine.worker.cuda_graphs import DecodeGraphs
+from octavo.engine.worker.fused_decode import FusedDecode
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
 
 
@@ -13,19 +15,24 @@ class CUDAGraphMode(enum.Enum):
 
     NONE = "none"  # eagerly, op by op
     PIECEWISE = "piecewise"  # captured pieces around eager attention
-    FULL = "full"  # one captured decode step
+    FULL = "full"  # the whole decode step at once: a captured graph, or one fused CPU call
 
 
 class CudagraphDispatcher:
-    """The graphs an engine captured, and the rule choosing among them per step.
+    """The graphs an engine captured (or its fused CPU decode step), and the rule choosing
+    among them per step.
 
     FULL takes a uniform decode (every sequence decodes one token and samples it, in
     order) of at most `full.max_batch_size` sequences; PIECEWISE any other step of at
-    most `piecewise.max_num_tokens` tokens; NONE the rest. Without graphs (CPU, or
-    enforce_eager), every step is NONE.
+    most `piecewise.max_num_tokens` tokens; NONE the rest. Without either (enforce_eager,
+    or a model the fused step cannot run), every step is NONE.
     """
 
-    def __init__(self, full: DecodeGraphs | None = None, piecewise: PiecewiseGraphs | None = None):
+    def __init__(
+        self,
+        full: DecodeGraphs | FusedDecode | None = None,
+        piecewise: PiecewiseGraphs | None = None,
+    ):
         self.full = full
         self.piecewise = piecewise
 

@@ -20,6 +20,7 @@ from octavo.engine.step_io import (
 from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
 from octavo.engine.worker.cuda_graphs import DecodeGraphs
 from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher, CUDAGraphMode
+from octavo.engine.worker.fused_decode import FusedDecode
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.lora import LoRAManager
@@ -155,7 +156,8 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.dispatcher = CudagraphDispatcher()  # eager until capture_cuda_graphs
+        # Eager until capture_cuda_graphs (CUDA) or use_fused_decode (CPU).
+        self.dispatcher = CudagraphDispatcher()
         # The previous step's sampled tokens (device) and the sequence of each row.
         self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
         # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
@@ -186,6 +188,14 @@ class ModelRunner:
             if piecewise_max_tokens is None
             else PiecewiseGraphs(self.model, self.kv_cache, piecewise_max_tokens, capture=True),
         )  # fmt: skip
+
+    def use_fused_decode(self) -> bool:
+        """Runs uniform decodes of a few sequences as one fused operator call (CPU), where
+        the model allows it (FusedDecode.build); whether it does."""
+        fused = FusedDecode.build(self.model, self.kv_cache)
+        if fused is not None:
+            self.dispatcher = CudagraphDispatcher(fused)
+        return fused is not None
 
     def add_lora(self, request: LoRARequest) -> None:
         """Checks and loads a request's adapter; ParameterError naming what is wrong."""

@@ -14,15 +14,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
 #include <tuple>
 
-namespace {
+#include "row_quantize.h"
 
-constexpr float kInt8Max = 127.0f;
-constexpr float kZeroPoint = 128.0f;
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x [R, C] with contiguous rows");
@@ -36,22 +32,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
     const int64_t row_stride = x.stride(0);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* row = x_ptr + r * row_stride;
-        float top = 0.0f;
-        for (int64_t c = 0; c < cols; ++c) {
-          top = std::max(top, std::abs(static_cast<float>(row[c])));
-        }
-        const float s = std::max(top, std::numeric_limits<float>::min()) / kInt8Max;
-        scale_ptr[r] = s;
-        // An all-zero row's tiny scale has no finite inverse: its codes are the zero point
-        // (0 x inf would be NaN, whose conversion to an integer is undefined).
-        const float inverse =
-            top > 0.0f ? std::min(1.0f / s, std::numeric_limits<float>::max()) : 0.0f;
-        uint8_t* out = q_ptr + r * cols;
-        for (int64_t c = 0; c < cols; ++c) {
-          const float code = std::nearbyint(static_cast<float>(row[c]) * inverse);
-          out[c] = static_cast<uint8_t>(code + kZeroPoint);
-        }
+        scale_ptr[r] = quantize_row(x_ptr + r * row_stride, cols, q_ptr + r * cols);
       }
     });
   });

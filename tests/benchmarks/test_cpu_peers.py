@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from octavo.benchmarks import common, cpu_peers
+from octavo.benchmarks.peer_systems import OCTAVO_SETTINGS
 
 # load_test.py's latency statistics, in the order they grow.
 ORDERED_STATS = ("median_ms", "p90_ms", "p99_ms")
@@ -45,13 +46,15 @@ def check_smoke_result(result: dict) -> None:
     assert result["benchmark"] == "cpu_peers" and result["smoke"] is True
     assert list(result["workloads"]) == list(cpu_peers.WORKLOADS)
     workloads = dict(result["workloads"])
-    served = workloads.pop("served")
-    assert served["concurrency"] == cpu_peers.SERVED_CONCURRENCY
-    (alone,) = served["systems"]
-    assert set(alone) == {"system", *cpu_peers.SERVED_FIELDS}
-    assert alone["system"] == "octavo serve (default)"
-    assert alone["completed"] == cpu_peers.SMOKE_REQUESTS and alone["failed"] == 0
-    check_latencies(alone)
+    for name, concurrency in cpu_peers.SERVED_CONCURRENCY.items():
+        served = workloads.pop(name)
+        assert served["concurrency"] == concurrency
+        names = [s["system"] for s in served["systems"]]
+        assert names == list(cpu_peers.SERVED_OCTAVO[name]), name  # no peer given
+        for alone in served["systems"]:
+            assert set(alone) == {"system", *cpu_peers.SERVED_FIELDS}
+            assert alone["completed"] == cpu_peers.SMOKE_REQUESTS and alone["failed"] == 0
+            check_latencies(alone)
     smoke_shape = dict(zip(("n_layer", "n_embd", "n_head"), common.SMOKE_PRESET, strict=True))
     for name, workload in workloads.items():
         beam_width = cpu_peers.WORKLOADS[name][4]
@@ -66,7 +69,7 @@ def check_smoke_result(result: dict) -> None:
         if beam_width:
             assert names == ["octavo float32"], name
         else:
-            assert names == [*cpu_peers.OCTAVO_SETTINGS, "hf float32"], name
+            assert names == [*OCTAVO_SETTINGS, "hf float32"], name
         systems = {s["system"]: s for s in workload["systems"]}
         for system, row in systems.items():
             assert "outputs" not in row  # the token lists are compared, then dropped
@@ -75,8 +78,8 @@ def check_smoke_result(result: dict) -> None:
             assert row["wall_s"] == statistics.median(row["wall_s_runs"]) > 0, system
             speed = workload["output_tokens"] / row["wall_s"]
             assert row["output_tokens_per_s"] == pytest.approx(speed, rel=1e-9), system
-            if system in cpu_peers.OCTAVO_SETTINGS:
-                assert row["settings"] == cpu_peers.OCTAVO_SETTINGS[system], system
+            if system in OCTAVO_SETTINGS:
+                assert row["settings"] == OCTAVO_SETTINGS[system], system
             # Its speed over every other system's, each named once.
             others = {s: r["output_tokens_per_s"] for s, r in systems.items() if s != system}
             assert set(row["ratio_to"]) == set(others), system

@@ -46,12 +46,13 @@ def int8_linear_ref(x: torch.Tensor, layer: Linear) -> torch.Tensor:
 def test_int8_product_never_takes_onednns_reference_kernel():
     """oneDNN falls back to its reference int8 matmul (a thousand times slower) for operand
     types the CPU's int8 units do not take, as signed activations on a CPU without AMX:
-    the implementation it names for the layer's product (ONEDNN_VERBOSE) is never `ref`."""
+    the implementation it names for the layer's product (ONEDNN_VERBOSE) is never `ref`.
+    (More rows than small_gemm.MAX_ROWS: fewer take small_gemm's product, not oneDNN's.)"""
     script = (
         "import torch\n"
         "from octavo.engine.worker.models.quantization import Int8Linear\n"
         "layer = torch.nn.Linear(64, 32).to(torch.bfloat16)\n"
-        "Int8Linear(layer)(torch.randn(4, 64).to(torch.bfloat16))\n"
+        "Int8Linear(layer)(torch.randn(16, 64).to(torch.bfloat16))\n"
     )
     env = {**os.environ, "ONEDNN_VERBOSE": "1"}
     run = subprocess.run(

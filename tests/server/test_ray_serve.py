@@ -47,6 +47,7 @@ def ray_endpoint(tiny_model_dir):
                 "model": tiny_model_dir,
                 "served_model_name": MODEL_NAME,
                 "device": "cpu",
+                "dtype": "float32",  # as the offline oracle: tokens equal whatever the batch
                 "num_blocks": NUM_BLOCKS,
                 "block_size": 8,
                 "chat_template": CHAT_TEMPLATE,
@@ -70,7 +71,7 @@ def ray_client(ray_endpoint):
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir):
-    return LLM(model=tiny_model_dir, device="cpu", num_blocks=256, block_size=8)
+    return LLM(model=tiny_model_dir, device="cpu", dtype="float32", num_blocks=256, block_size=8)
 
 
 def greedy_text(offline: LLM, prompt: str, max_tokens: int) -> str:

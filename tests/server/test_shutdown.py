@@ -24,7 +24,9 @@ from tests.server.conftest import (
     live_server,
 )
 
-NUM_STREAMS = 3
+# Streams of 250 tokens, one sequence at a time: more than the 0.2 s grace period drains
+# at the tiny model's speed (a fraction of a millisecond a step), so some are aborted.
+NUM_STREAMS = 8
 
 
 def test_sigterm_aborts_in_flight_streams_and_exits_cleanly(tiny_model_dir, tmp_path):

@@ -96,6 +96,13 @@ class GPT2Attention(nn.Module):
         v = v.view(num_tokens, self.n_head, self.head_dim)
         return q, k, v
 
+    def qkv_layout(self) -> tuple[int, int, int, int]:
+        """Where split_qkv finds each head in a row of c_attn's output, as (q_head_stride,
+        k_base, v_base, kv_head_stride): q of head h at h * q_head_stride, k of K/V head g at
+        k_base + g * kv_head_stride, v likewise from v_base (the fused decode step reads it)."""
+        d, q_width = self.head_dim, self.n_head * self.head_dim
+        return d, q_width, 2 * q_width, d
+
     def attend(
         self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:

@@ -41,6 +41,12 @@ class GPTBigCodeAttention(GPT2Attention):
         q, k, v = qkv.view(num_tokens, self.n_head, 3 * head_dim).split(head_dim, dim=-1)
         return q, k, v
 
+    def qkv_layout(self) -> tuple[int, int, int, int]:
+        d, q_width = self.head_dim, self.n_head * self.head_dim
+        if self.multi_query:
+            return d, q_width, q_width + d, d
+        return 3 * d, d, 2 * d, 3 * d
+
 
 class GPTBigCodeForCausalLM(GPT2LMHeadModel):
     """GPT2LMHeadModel's contract, with GPTBigCode's attention and nn.Linear weights."""

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octavo.kernels import small_gemm
+
 # Row counts up to this are their own bucket (decode batches of a few sequences).
 EXACT_ROWS = 16
 # Buckets per doubling above EXACT_ROWS: padding adds at most 1/BUCKETS_PER_OCTAVE rows.
@@ -80,15 +82,23 @@ def can_pack(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """A Linear's product on a CPU through oneDNN, its 16-bit weight reordered once into
     oneDNN's layout (`packed`, an opaque tensor: not a parameter, so no state dict or
-    `.to()` sees it). Rows are padded as `linear` pads them."""
+    `.to()` sees it). Rows are padded as `linear` pads them. A bfloat16 weight is also
+    packed for products of up to small_gemm.MAX_ROWS rows (`small`), where this CPU has
+    their kernel: at one row oneDNN's reads the weight well below the memory's speed."""
 
     def __init__(self, layer: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+        weight = layer.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = layer.bias
+        self.small = None
+        if weight.dtype == torch.bfloat16 and "bfloat16" in small_gemm.kernel_isa():
+            self.small = small_gemm.pack_bf16(weight, layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and 0 < x.shape[0] <= small_gemm.MAX_ROWS:
+            return small_gemm.small_linear(x, self.small)
         padded = pad_rows(x)
         out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
         return out[: x.shape[0]]

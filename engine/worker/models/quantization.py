@@ -24,18 +24,8 @@ import torch
 from torch import nn
 
 from octavo.engine.worker.models.linear import pad_rows
-from octavo.kernels import cpu_ops
-
-INT8_MAX = 127
-ZERO_POINT = 128  # the activations' unsigned codes: q_x + ZERO_POINT
-
-
-def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [R, C], scale float32 [R, 1]) with x ~ q * scale, symmetric per row. An all-zero
-    row gets a tiny scale and zeros."""
-    scale = x.abs().amax(dim=1, keepdim=True).float()
-    scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(INT8_MAX)
-    return x.div(scale).round_().to(torch.int8), scale
+from octavo.kernels import cpu_ops, small_gemm
+from octavo.kernels.small_gemm import ZERO_POINT, quantize_per_row
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +48,9 @@ class Int8Linear(nn.Module):
     quantized per token on each call. Rows are padded as linear.py pads them (oneDNN keeps
     a kernel per shape). The activations' scaling runs as cpu_ops' one-op operators where
     they are built (at one row they are most of a layer's work besides the product), else
-    as their torch twins."""
+    as their torch twins. Up to small_gemm.MAX_ROWS rows take small_gemm's product over
+    `small`, the codes packed for it (oneDNN's reads them at half the memory's speed at
+    one row), where this CPU has its kernel."""
 
     def __init__(self, layer: nn.Linear):
         super().__init__()
@@ -71,9 +63,15 @@ class Int8Linear(nn.Module):
         fused = cpu_ops.load()
         self.quantize = cpu_ops.quantize_rows if fused else quantize_activations
         self.rescale_ = cpu_ops.rescale_rows_ if fused else rescale_rows_ref
+        # The same codes packed for products of a few rows, where this CPU has their kernel.
+        self.small = None
+        if "int8" in small_gemm.kernel_isa():
+            self.small = small_gemm.pack_int8(q, self.weight_scale, layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.small is not None and 0 < rows <= small_gemm.MAX_ROWS:
+            return small_gemm.small_linear(x, self.small)
         q, scale = self.quantize(pad_rows(x))
         # The activations' scale is applied per row after the product (oneDNN takes one
         # scale for all of q): 1.0 here, so out = ((q - ZERO_POINT) q_w^T) * s_w.
