@@ -126,7 +126,8 @@ def cpu_peers(title: str, files: list[Result]) -> list[str]:
             if "concurrency" in work:
                 rates = [c.get("output_token_throughput") for c in cells]
                 rows.append(
-                    [f"{key}: {work['concurrency']} streams, tok/s"] + [num(r) for r in rates]
+                    [f"{key}: {plural(work['concurrency'], 'stream')}, tok/s"]
+                    + [num(r) for r in rates]
                 )
                 for stat, label in (("ttft", "TTFT"), ("itl", "ITL")):
                     medians = [c[stat]["median_ms"] if stat in c else None for c in cells]
