@@ -2,9 +2,9 @@
 products: a decode step of one to `MAX_ROWS` sequences, on a CPU, where a token reads every
 weight once and the product can only be as fast as the weight streams from memory.
 
-oneDNN's products at one row run well below that (docs/benchmarks/history.md, "One user at
-a time"), and each is one Python-level op among the layer's dozen small ones; here the
-weight is laid out as the kernel reads it (`pack_bf16`, `pack_int8`: column blocks of 16,
+oneDNN's products at one row run well below that (docs/benchmarks/history.md, "2026-12-01:
+one user at a time"), and each is one Python-level op among a layer's dozen small ones; here
+the weight is laid out as the kernel reads it (`pack_bf16`, `pack_int8`: column blocks of 16,
 each k pair or quad of a block's columns side by side, as one vdpbf16ps or vpdpbusd takes
 them). `small_linear` is the product for one layer (the LM head, a layer outside the fused
 decode step); cpu/gpt2_decode.cpp runs a whole decode step over these weights.
@@ -131,8 +131,10 @@ def kernel_isa() -> frozenset[str]:
 
 
 def small_linear(x: torch.Tensor, weight: SmallWeight) -> torch.Tensor:
-    """x [R, in] (1 <= R <= MAX_ROWS, rows contiguous) @ weight^T + bias -> [R, out] in x's
-    dtype, float32 accumulation (bfloat16: x must be bfloat16). Needs cpu_ops.load()."""
+    """x [R, in] (1 <= R <= MAX_ROWS) @ weight^T + bias -> [R, out] in x's dtype, float32
+    accumulation (bfloat16: x must be bfloat16). Needs cpu_ops.load()."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     if weight.is_int8:
         return torch.ops.octavo_cpu.small_linear_int8(
             x, weight.packed, weight.w_scale, weight.code_sums128, weight.bias,

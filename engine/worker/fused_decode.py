@@ -3,7 +3,7 @@ the CPU's counterpart of a full CUDA graph, dispatched the same way (CUDAGraphMo
 
 At batch 1 a GPT-2 token's products take a few milliseconds, and the layers' small ops and
 the Python between them, run op by op, took as long again (docs/benchmarks/history.md,
-"One user at a time"). The fused step runs the embeddings, every block and the final
+"2026-12-01: one user at a time"). The fused step runs the embeddings, every block and the final
 LayerNorm over the weights the model's linear layers already packed for small products
 (`small`, kernels/small_gemm.py), reading and writing the model's own paged KV cache; the
 LM head then runs as the model's (its small product too). Its twin is the model's forward,

@@ -95,14 +95,16 @@ def test_queue_bound_and_shutdown_abort(tiny_model_dir, mode):
     async def main():
         engine = make(tiny_model_dir, max_num_waiting=2, mode=mode)
         engine.start()
+        # As long as the tiny model's context allows: at a fraction of a millisecond a step
+        # they must still be running when the engine shuts down.
         streams = [
-            submit(engine, f"r{i}", [5, 6], max_tokens=100, ignore_eos=True) for i in range(2)
+            submit(engine, f"r{i}", [5, 6], max_tokens=250, ignore_eos=True) for i in range(2)
         ]
         with pytest.raises(QueueFullError):
             submit(engine, "overflow", [5, 6])
         engine.discard("nothing")  # unknown ids are fine
         tasks = [asyncio.create_task(drain(s)) for s in streams]
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
         await engine.shutdown(grace_seconds=0)
         with pytest.raises(EngineStoppedError):
             submit(engine, "late", [5])

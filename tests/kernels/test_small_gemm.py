@@ -1,8 +1,12 @@
 """The small-row products (kernels/small_gemm.py, cpu/small_gemm.h) against their plain-torch
 twin: bfloat16 and int8, one to eight rows, odd sizes (padding of both the columns and the
 depth), every product shape of the GPT-2 presets and GPTBigCode's multi-query c_attn,
-strided rows, no bias; and the linear layers' small path against their oneDNN path."""
+strided inputs, no bias; the build for a CPU without AVX-512; and the linear layers' small
+path against their oneDNN path."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,18 +68,20 @@ def test_every_preset_shape_matches_the_twin(kind, rows, shape):
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "int8"])
-def test_no_bias_and_strided_rows(kind):
+def test_no_bias_and_strided_inputs(kind):
     _check(kind, 64, 48, 3, bias=False)
     weight, b = _weight(64, 48, 1)
     packed = _packed(kind, weight, b)
     wide = torch.randn(4, 3, 64).bfloat16()
-    x = wide[:, 1]  # rows 192 apart
-    torch.testing.assert_close(
-        small_gemm.small_linear(x, packed).float(),
-        small_gemm.small_linear_ref(x.contiguous(), packed).float(),
-        atol=2e-2,
-        rtol=1e-2,
-    )
+    rows_apart = wide[:, 1]  # rows 192 apart
+    columns_apart = torch.randn(64, 4).bfloat16().t()  # a column stride of 4
+    for x in (rows_apart, columns_apart):
+        torch.testing.assert_close(
+            small_gemm.small_linear(x, packed).float(),
+            small_gemm.small_linear_ref(x.contiguous(), packed).float(),
+            atol=2e-2,
+            rtol=1e-2,
+        )
 
 
 def test_unpack_inverts_the_packing():
@@ -128,3 +134,42 @@ def test_a_layers_small_rows_match_its_onednn_rows(layer_class):
     small = packed(x[: small_gemm.MAX_ROWS])
     large = packed(x)[: small_gemm.MAX_ROWS]
     torch.testing.assert_close(small.float(), large.float(), atol=2e-2, rtol=1e-2)
+
+
+FALLBACK_SCRIPT = """
+import sys, torch
+from torch.utils import cpp_extension
+from octavo.kernels import cpu_ops, small_gemm
+from octavo.kernels.small_gemm import quantize_per_row
+source = [str(s) for s in cpu_ops.SOURCES if s.name == "small_linear.cpp"]
+cpp_extension.load(name="octavo_small_gemm_plain_loops", sources=source,
+                   extra_cflags=["-O2", "-march=x86-64-v2", "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False,
+                   build_directory=sys.argv[1])
+assert torch.ops.octavo_cpu.small_gemm_kernels() == []
+worst = 0.0
+for k, n in [(3, 17), (33, 40), (130, 47), (768, 300)]:
+    for rows in (1, 3, 8):
+        w = (torch.randn(n, k) * 0.05).bfloat16()
+        b = torch.randn(n).bfloat16()
+        x = torch.randn(rows, k).bfloat16()
+        codes, scale = quantize_per_row(w)
+        for packed in (small_gemm.pack_bf16(w, b), small_gemm.pack_int8(codes, scale[:, 0], b)):
+            got = small_gemm.small_linear(x, packed).float()
+            want = small_gemm.small_linear_ref(x, packed).float()
+            worst = max(worst, ((got - want).abs() / (want.abs() + 1)).max().item())
+print(worst)
+"""
+
+
+def test_the_plain_loops_of_a_cpu_without_avx512_match_the_twin(tmp_path):
+    """The build for a CPU without AVX-512 (x86-64-v2) computes the same layouts by plain
+    loops: built here as such in a process of its own, against the twin."""
+    # The venv's own bin folder on PATH: torch's extension loader runs its `ninja`.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PATH": path},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.strip().splitlines()[-1]) < 2e-2
