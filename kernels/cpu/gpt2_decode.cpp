@@ -9,9 +9,9 @@
 //
 // torch.classes.octavo_cpu.GPT2Decoder(tensors, dims, scales, eps), built once from the
 // model (engine/worker/fused_decode.py says what each holds):
-//   tensors  [wte, wpe, ln_f.weight, ln_f.bias] then per layer [ln_1.weight, ln_1.bias,
-//            c_attn x 4, ln_2.weight, ln_2.bias, c_fc x 4, mlp.c_proj x 4], after attn.c_proj
-//            x 4 following c_attn: 20 a layer. A product's 4 are small_gemm.py's
+//   tensors  [wte, wpe, ln_f.weight, ln_f.bias] then per layer, 20 each: [ln_1.weight,
+//            ln_1.bias, c_attn x 4, attn.c_proj x 4, ln_2.weight, ln_2.bias, c_fc x 4,
+//            mlp.c_proj x 4]. A product's 4 are small_gemm.py's
 //            SmallWeight: packed (bfloat16 or int8 codes), bias, w_scale, code_sums128
 //            (float32 / int32, padded; an empty tensor for a bias or int8 part it has none
 //            of). LayerNorm parameters float32; embeddings in the model's dtype.
