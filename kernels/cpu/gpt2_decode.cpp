@@ -310,15 +310,27 @@ class GPT2Decoder : public torch::CustomClassHolder {
           h[r * C + c] = to_float(wte[ids[r] * C + c]) + to_float(wpe[pos[r] * C + c]);
         }
       }
+      // The thread's rows of the residual stream, normalized, as product p's input.
+      auto normed_input = [&](const float* w, const float* b, const Product& p) {
+        for (int64_t r = r_begin; r < r_end; ++r) {
+          layer_norm(h.data() + r * C, C, w, b, eps_, normed.data() + r * C);
+        }
+        prepare(p, normed.data(), C, C, r_begin, r_end, in);
+      };
+      // The residual stream plus product p of x's rows [R, n] (x_stride apart).
+      auto add_product = [&](const Product& p, const float* x, int64_t x_stride, int64_t n) {
+        prepare(p, x, x_stride, n, r_begin, r_end, in);
+#pragma omp barrier
+        product(p, in, nrows, t, threads, delta.data(), delta_stride, n_begin, n_end);
+        add_columns(h.data(), C, delta.data(), delta_stride, rows, n_begin, std::min(n_end, C));
+#pragma omp barrier
+      };
 #pragma omp barrier
       for (int64_t l = 0; l < n_layer_; ++l) {
         const Layer& L = layers_[l];
         scalar_t* k_cache = cache + l * layer_stride;
         scalar_t* v_cache = k_cache + kv_stride;
-        for (int64_t r = r_begin; r < r_end; ++r) {
-          layer_norm(h.data() + r * C, C, L.ln1_w, L.ln1_b, eps_, normed.data() + r * C);
-        }
-        prepare(L.attn, normed.data(), C, C, r_begin, r_end, in);
+        normed_input(L.ln1_w, L.ln1_b, L.attn);
 #pragma omp barrier
         product(L.attn, in, nrows, t, threads, qkv.data(), qkv_stride, n_begin, n_end);
 #pragma omp barrier
@@ -338,31 +350,22 @@ class GPT2Decoder : public torch::CustomClassHolder {
             }
           }
           // q of head h at h * q_head_stride: the task's G heads from g * G on.
-          auto task_fn = D == 64 ? decode_task<scalar_t, 64, float, float> : decode_task<scalar_t, 0, float, float>;
-          task_fn(row, q_head_stride_, k_cache, v_cache, slot_stride, key_slots.data() + r * max_len,
-                  lens[r], g, g + 1, group, D, L.scale, attended.data() + r * C, D, scores, acc, query);
+          auto task_fn = D == 64 ? decode_task<scalar_t, 64, float, float>
+                                 : decode_task<scalar_t, 0, float, float>;
+          task_fn(row, q_head_stride_, k_cache, v_cache, slot_stride,
+                  key_slots.data() + r * max_len, lens[r], g, g + 1, group, D, L.scale,
+                  attended.data() + r * C, D, scores, acc, query);
         }
 #pragma omp barrier
-        prepare(L.proj, attended.data(), C, C, r_begin, r_end, in);
-#pragma omp barrier
-        product(L.proj, in, nrows, t, threads, delta.data(), delta_stride, n_begin, n_end);
-        add_columns(h.data(), C, delta.data(), delta_stride, rows, n_begin, std::min(n_end, C));
-#pragma omp barrier
-        for (int64_t r = r_begin; r < r_end; ++r) {
-          layer_norm(h.data() + r * C, C, L.ln2_w, L.ln2_b, eps_, normed.data() + r * C);
-        }
-        prepare(L.fc, normed.data(), C, C, r_begin, r_end, in);
+        add_product(L.proj, attended.data(), C, C);
+        normed_input(L.ln2_w, L.ln2_b, L.fc);
 #pragma omp barrier
         product(L.fc, in, nrows, t, threads, mid.data(), inner_stride, n_begin, n_end);
         for (int64_t r = 0; r < rows && n_begin < n_end; ++r) {
           gelu_tanh(mid.data() + r * inner_stride + n_begin, n_end - n_begin);
         }
 #pragma omp barrier
-        prepare(L.mproj, mid.data(), inner_stride, inner_, r_begin, r_end, in);
-#pragma omp barrier
-        product(L.mproj, in, nrows, t, threads, delta.data(), delta_stride, n_begin, n_end);
-        add_columns(h.data(), C, delta.data(), delta_stride, rows, n_begin, std::min(n_end, C));
-#pragma omp barrier
+        add_product(L.mproj, mid.data(), inner_stride, inner_);
       }
       for (int64_t r = r_begin; r < r_end; ++r) {
         layer_norm(h.data() + r * C, C, ln_f_w_, ln_f_b_, eps_, normed.data() + r * C);
