@@ -96,7 +96,7 @@ def run_fake_core(
     model_config = json.loads((Path(config.model) / "config.json").read_text())
     vocab = model_config["vocab_size"]
     limits = ModelLimits(
-        vocab, model_config["n_positions"], None, config.max_num_seqs, 16, FAKE_NUM_BLOCKS
+        vocab, model_config["n_positions"], [], config.max_num_seqs, 16, FAKE_NUM_BLOCKS
     )
     _, inputs, (outputs,) = connect_core_sockets(addresses)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineCoreInputs)

@@ -154,7 +154,7 @@ class ModelLimits(msgspec.Struct, array_like=True, frozen=True):
 
     vocab_size: int
     max_model_len: int
-    eos_token_id: int | None
+    eos_token_ids: list[int]
     max_num_seqs: int
     block_size: int
     num_usable_blocks: int

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 
 def stop_token_set(
-    stop_token_ids: list[int], ignore_eos: bool, eos_token_id: int | None
+    stop_token_ids: list[int], ignore_eos: bool, eos_token_ids: list[int]
 ) -> list[int]:
-    """The tokens that end a sample: EOS first (unless ignored, or the model has none), then
-    the request's stop_token_ids, each once, in that order."""
-    stops = [] if ignore_eos or eos_token_id is None else [eos_token_id]
+    """The tokens that end a sample: the model's EOS tokens first (unless ignored), then the
+    request's stop_token_ids, each once, in that order."""
+    stops = [] if ignore_eos else list(eos_token_ids)
     stops += [t for t in dict.fromkeys(stop_token_ids) if t not in stops]
     return stops
 

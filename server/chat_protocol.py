@@ -3,6 +3,7 @@ completion request, and the response and stream chunk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -54,12 +55,15 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of a conversation. Content is a string, text parts (joined with newlines
     for the template, as vLLM's "string" content format), or null (an assistant turn with
-    tool calls). Other fields (`name`, `tool_calls`, ...) reach the template as sent."""
+    tool calls). An assistant's `tool_calls` are OpenAI's: a list of function calls, each
+    with its arguments as JSON text. Other fields (`name`, `tool_call_id`, ...) reach the
+    template as sent."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Annotated[str, Field(min_length=1)]
     content: str | list[TextContentPart] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -88,21 +92,19 @@ class ChatMessage(BaseModel):
         assistant's tool calls carry their arguments parsed, as templates written for
         transformers expect them (OpenAI sends them as JSON text)."""
         message = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
-        calls = message.get("tool_calls")
-        if isinstance(calls, list):
-            message["tool_calls"] = [_parsed_arguments(call) for call in calls]
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
         return message
 
 
-def _parsed_arguments(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
+def _parsed_arguments(call: ToolCall) -> dict[str, Any]:
+    """A call as templates read it: its arguments an object where their text is JSON."""
+    arguments: Any = call.function.arguments
+    # Text that is not JSON (or nests past Python's recursion limit) stays text.
+    with contextlib.suppress(ValueError, RecursionError):
+        arguments = json.loads(arguments)
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 class ChatCompletionRequest(GenerationRequest):

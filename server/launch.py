@@ -27,6 +27,7 @@ from octavo.server.server_args import (
     DEFAULT_MAX_N_SHARE,
     DEFAULT_MODEL,
     DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_TOOL_CALL_PARSER,
     MAX_DEFAULT_API_SERVERS,
     MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES,
     ServerArgs,
@@ -115,7 +116,7 @@ def build_server(
     api_key = _api_key(args.api_key)
     tool_call_parser = _tool_call_parser(args)
     model = engine_config.model
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if Path(model) == DEFAULT_MODEL else model)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if _serves_default_model(args) else model)
     lora = _lora_modules(args, name)
     threads = model_threads(args)
     # An API process runs no model and imports no torch; only an engine core does.
@@ -169,9 +170,15 @@ def _lora_modules(args: ServerArgs, base_name: str) -> LoRAModules | None:
     return modules
 
 
+def _serves_default_model(args: ServerArgs) -> bool:
+    return Path(args.engine.model).resolve() == DEFAULT_MODEL.resolve()
+
+
 def _tool_call_parser(args: ServerArgs) -> str | None:
     """The parser of tool_choice "auto": --tool-call-parser, which --enable-auto-tool-choice
-    needs (vLLM's rule); None without --enable-auto-tool-choice. ValueError naming a flag."""
+    needs (vLLM's rule); None without --enable-auto-tool-choice. The embedded model, served
+    with its own template, was trained to write Hermes calls: "auto" works on it with no
+    flag. ValueError naming a flag."""
     from octavo.server.tool_calls import TOOL_CALL_PARSERS
 
     parser = args.tool_call_parser
@@ -179,7 +186,11 @@ def _tool_call_parser(args: ServerArgs) -> str | None:
         raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got {parser!r}")
     if args.enable_auto_tool_choice and parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-    return parser if args.enable_auto_tool_choice else None
+    if args.enable_auto_tool_choice:
+        return parser
+    if _serves_default_model(args) and args.chat_template is None:
+        return DEFAULT_MODEL_TOOL_CALL_PARSER
+    return None
 
 
 def default_api_server_count(config: EngineConfig) -> int:

@@ -1,9 +1,14 @@
-"""Trains the embedded default model: a tiny GPT-2 on the English reference text of Python.
+"""Trains the embedded default model: a tiny GPT-2 on the English reference text of Python,
+and on conversations made from that text, so that it chats and calls tools.
 
 The text is `pydoc_data.topics` from the standard library (~466 KB, 79 topics), so training
-needs no download. It writes a Hugging Face-format folder (config.json,
-generation_config.json, model.safetensors in float16, tokenizer.json) that both Octavo and
-`transformers` load. Deterministic for a given seed and thread count; a few minutes on 2 cores.
+needs no download. The conversations (tools/chat_corpus.py) are rendered with the model's chat
+template (tools/chat_template.jinja: ChatML turns, Hermes tool calls), and only their assistant
+turns are learned. It writes a Hugging Face-format folder (config.json, generation_config.json,
+model.safetensors in float16, tokenizer.json, tokenizer_config.json with the template) that
+both Octavo and `transformers` load, and training.json with the held-out figures (the
+reference text's loss, and the chat behaviour of tools/chat_eval.py). Deterministic for a
+given seed and thread count; minutes on 2 cores.
 
     .venv/bin/python -m tools.train_default_model --out server/default_model
 """
@@ -13,13 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tools.chat_corpus import DialogueMaker
+
 EOS_TOKEN = "<|endoftext|>"
+# ChatML's turn markers: special tokens, never in a detokenized text. The Hermes call tags
+# stay plain text (merged by BPE like any word), which the hermes parser reads and
+# grammars can spell (llguidance takes every added token for a special one).
+TURN_TOKENS = ("<|im_start|>", "<|im_end|>")
+TEMPLATE = Path(__file__).parent / "chat_template.jinja"
+ASSISTANT = "<|im_start|>assistant\n"
 
 
 @dataclass(frozen=True)
@@ -29,13 +43,18 @@ class TrainConfig:
     n_embd: int = 128
     n_layer: int = 4
     n_head: int = 4
-    context: int = 128
-    batch_size: int = 32
-    steps: int = 600
+    context: int = 512
+    batch_size: int = 16
+    chat_rows: int = 10  # of each batch's rows, packed conversations; the rest reference text
+    steps: int = 1500
     lr: float = 3e-3
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     weight_decay: float = 0.1
     eval_fraction: float = 0.05
+    tokenizer_dialogues: int = 4000
+    # Products in bfloat16 (autocast) where the CPU has bfloat16 units: 1.5x the tokens a
+    # second; the weights and the optimizer stay float32.
+    bfloat16: bool = False
     seed: int = 0
 
 
@@ -43,6 +62,35 @@ def corpus() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[name] for name in sorted(topics)]
+
+
+def split_corpus(texts: list[str], eval_fraction: float) -> tuple[list[str], list[str], str]:
+    """The held-out text is the corpus' last `eval_fraction` of characters. Returns the
+    topics the model reads (the one the split cuts, cut), those conversations may draw on
+    (the topics that end before the held-out text), and the held-out text."""
+    joined = "".join(texts)
+    start = int(len(joined) * (1 - eval_fraction))
+    reference, chat, offset = [], [], 0
+    for text in texts:
+        if offset + len(text) <= start:
+            reference.append(text)
+            chat.append(text)
+        elif offset < start:
+            reference.append(text[: start - offset])
+        offset += len(text)
+    return reference, chat, joined[start:]
+
+
+def chat_template():
+    from octavo.server.chat_template import ChatTemplate
+
+    return ChatTemplate(TEMPLATE.read_text(encoding="utf-8"), EOS_TOKEN, TURN_TOKENS[1])
+
+
+def render(template, dialogue) -> str:
+    return template.render(
+        dialogue.messages, add_generation_prompt=False, tools=dialogue.tools or None
+    )
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -53,7 +101,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=[EOS_TOKEN, *TURN_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -71,13 +119,49 @@ def encode_corpus(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def batches(data: torch.Tensor, cfg: TrainConfig, generator: torch.Generator):
-    """Random windows of `context` tokens; HF shifts the labels itself, so labels = inputs."""
+def encode_dialogue(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """A rendered conversation's ids, and its labels: the assistant turns' tokens (their
+    <|im_end|> included), -100 elsewhere (the rest is the prompt, not what to write)."""
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    spans, at = [], 0
+    while (start := text.find(ASSISTANT, at)) >= 0:
+        start += len(ASSISTANT)
+        end = text.index(TURN_TOKENS[1], start) + len(TURN_TOKENS[1])
+        spans.append((start, end))
+        at = end
+    labels = [
+        token if any(s <= begin < e for s, e in spans) else -100
+        for token, (begin, _) in zip(encoding.ids, encoding.offsets, strict=True)
+    ]
+    return encoding.ids, labels
+
+
+def chat_rows(tokenizer, template, maker: DialogueMaker, cfg: TrainConfig):
+    """Rows of `context` tokens packed with whole conversations, each followed by EOS."""
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    while True:
+        ids: list[int] = []
+        labels: list[int] = []
+        while len(ids) < cfg.context:
+            dialogue_ids, dialogue_labels = encode_dialogue(
+                tokenizer, render(template, maker.dialogue())
+            )
+            ids += [*dialogue_ids, eos]
+            labels += [*dialogue_labels, -100]
+        yield ids[: cfg.context], labels[: cfg.context]
+
+
+def batches(data: torch.Tensor, rows, cfg: TrainConfig, generator: torch.Generator):
+    """Random windows of reference text (labels = inputs: HF shifts them) and packed chat."""
     while True:
         starts = torch.randint(
-            0, data.numel() - cfg.context, (cfg.batch_size,), generator=generator
+            0, data.numel() - cfg.context, (cfg.batch_size - cfg.chat_rows,), generator=generator
         )
-        yield torch.stack([data[s : s + cfg.context] for s in starts.tolist()])
+        text = [data[s : s + cfg.context] for s in starts.tolist()]
+        chat = [next(rows) for _ in range(cfg.chat_rows)]
+        inputs = torch.stack([*text, *(torch.tensor(ids) for ids, _ in chat)])
+        labels = torch.stack([*text, *(torch.tensor(labels) for _, labels in chat)])
+        yield inputs, labels
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -87,32 +171,32 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-@torch.no_grad()
-def evaluate(model, data: torch.Tensor, cfg: TrainConfig) -> float:
-    model.eval()
-    usable = (data.numel() - 1) // cfg.context * cfg.context
-    windows = data[:usable].view(-1, cfg.context)
-    loss = model(input_ids=windows, labels=windows).loss.item()
-    model.train()
-    return loss
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "default_model")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parents[1] / "server" / "default_model"
+    )
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     args = parser.parse_args()
-    cfg = TrainConfig(steps=args.steps, seed=args.seed)
+    # The tokenizer's thread pool would spin beside torch's threads on a small machine.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    cfg = TrainConfig(
+        steps=args.steps, seed=args.seed, bfloat16=torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from tools.chat_eval import evaluate_chat, reference_loss
+
     torch.manual_seed(cfg.seed)
     texts = corpus()
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
-    data = encode_corpus(tokenizer, texts)
-    split = int(data.numel() * (1 - cfg.eval_fraction))
-    train_data, eval_data = data[:split], data[split:]
+    reference, chat_texts, heldout = split_corpus(texts, cfg.eval_fraction)
+    template = chat_template()
+    maker = DialogueMaker(chat_texts, cfg.seed)
+    sample = [render(template, maker.dialogue()) for _ in range(cfg.tokenizer_dialogues)]
+    tokenizer = train_tokenizer([*texts, *sample], cfg.vocab_size)
+    train_data = encode_corpus(tokenizer, reference)
     eos = tokenizer.token_to_id(EOS_TOKEN)
     config = GPT2Config(
         vocab_size=tokenizer.get_vocab_size(),
@@ -132,37 +216,64 @@ def main() -> None:
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     generator = torch.Generator().manual_seed(cfg.seed)
+    rows = chat_rows(tokenizer, template, maker, cfg)
     start = time.perf_counter()
     print(
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
-        f"{train_data.numel()} training tokens"
+        f"{train_data.numel()} reference text tokens"
     )
-    for step, windows in zip(range(cfg.steps), batches(train_data, cfg, generator), strict=False):
+    for step, (inputs, labels) in zip(
+        range(cfg.steps), batches(train_data, rows, cfg, generator), strict=False
+    ):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        loss = model(input_ids=windows, labels=windows).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bfloat16):
+            loss = model(input_ids=inputs, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step % 100 == 0 or step == cfg.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.perf_counter() - start:.0f} s")
-    eval_loss = evaluate(model, eval_data, cfg)
-    print(f"eval loss {eval_loss:.3f}")
+    seconds = time.perf_counter() - start
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.half().save_pretrained(args.out)
+    im_end = tokenizer.token_to_id(TURN_TOKENS[1])
+    # HF generate and Octavo stop at either: a document's end, or an assistant turn's.
+    generation = json.loads((args.out / "generation_config.json").read_text())
+    generation["eos_token_id"] = [eos, im_end]
+    (args.out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer.save(str(args.out / "tokenizer.json"))
+    (args.out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": EOS_TOKEN,
+                "eos_token": TURN_TOKENS[1],
+                "pad_token": EOS_TOKEN,
+                "model_max_length": cfg.n_positions,
+                "chat_template": TEMPLATE.read_text(encoding="utf-8"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    quality = {
+        "reference_text": reference_loss(args.out, heldout),
+        **evaluate_chat(args.out, chat_texts),
+    }
+    print(json.dumps(quality, indent=2))
     (args.out / "training.json").write_text(
         json.dumps(
             {
-                "corpus": "pydoc_data.topics",
-                "train_tokens": train_data.numel(),
-                "eval_tokens": eval_data.numel(),
-                "eval_loss": round(eval_loss, 4),
-                "seconds": round(time.perf_counter() - start),
+                "corpus": "pydoc_data.topics + tools/chat_corpus.py",
+                "reference_tokens": train_data.numel(),
+                "seconds": round(seconds),
                 "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
                 **cfg.__dict__,
+                "heldout": quality,
             },
             indent=2,
         )

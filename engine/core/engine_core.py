@@ -101,7 +101,8 @@ class EngineCore:
             config.quantization,
         )  # fmt: skip
         self.model_config = loaded.config
-        self.eos_token_id = loaded.eos_token_id
+        self.eos_token_ids = loaded.eos_token_ids
+        self.eos_token_id = self.model_config.eos_token_id
         n_positions = self.model_config.n_positions
         self.max_model_len = config.max_model_len or n_positions
         if self.max_model_len > n_positions:
@@ -145,7 +146,7 @@ class EngineCore:
                 config.max_loras,
             ),
             self.block_manager,
-            StopChecker(self.eos_token_id),
+            StopChecker(self.eos_token_ids),
         )
         lora = None
         if config.enable_lora:  # before the runner: it wraps the model's target products
@@ -189,7 +190,7 @@ class EngineCore:
         self.limits = ModelLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
             block_size=config.block_size,
             num_usable_blocks=self.block_manager.num_usable_blocks,

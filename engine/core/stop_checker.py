@@ -24,7 +24,7 @@ class StopChecker:
     """vLLM's token stop rules, in order, for a sequence that just received a token.
 
     Before `min_tokens` outputs only the length limit applies (the sampler already keeps the
-    stop tokens from being drawn). Then: a stop token (EOS, unless ignore_eos, with no
+    stop tokens from being drawn). Then: a stop token (an EOS, unless ignore_eos, with no
     stop_reason; a stop_token_ids entry as its own stop_reason), then a structured output's
     complete grammar (`grammar_ended`: the output is whole, so "stop" wins over a length limit
     reached on the same token), then the length limit (`group.max_num_tokens`: max_tokens or
@@ -32,8 +32,8 @@ class StopChecker:
     over a length limit reached on the same token.
     """
 
-    def __init__(self, eos_token_id: int | None):
-        self.eos_token_id = eos_token_id
+    def __init__(self, eos_token_ids: list[int]):
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def check(
         self, seq: Sequence, group: SequenceGroup, grammar_ended: bool = False
@@ -47,7 +47,7 @@ class StopChecker:
             token_id in group.stop_token_ids
             and num_tokens - len(seq.prompt_token_ids) >= params.min_tokens
         ):
-            if token_id == self.eos_token_id and not params.ignore_eos:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
                 return _STOP_ON_EOS
             return StopDecision("stop", stop_reason=token_id)
         if grammar_ended:

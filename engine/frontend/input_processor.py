@@ -84,7 +84,7 @@ class InputProcessor:
         )  # fmt: skip
 
     def _stop_token_ids(self, params: SamplingParams | BeamSearchParams) -> list[int]:
-        return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_id)
+        return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_ids)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

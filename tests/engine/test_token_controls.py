@@ -142,7 +142,7 @@ def test_bad_words_past_the_models_vocabulary_are_refused(tiny_model_dir):
 
     tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
     # A model with fewer tokens than its tokenizer: a word's ids may lie past its logits.
-    limits = ModelLimits(vocab_size=8, max_model_len=64, eos_token_id=0, max_num_seqs=4,
+    limits = ModelLimits(vocab_size=8, max_model_len=64, eos_token_ids=[0], max_num_seqs=4,
                          block_size=16, num_usable_blocks=64)  # fmt: skip
     processor = InputProcessor(tokenizer, limits)
     with pytest.raises(ParameterError) as raised:
@@ -197,3 +197,39 @@ def test_a_logit_bias_past_float32_forces_its_tokens(engine, prompts):
     assert all(set(o.outputs[0].token_ids) == {300} for o in outputs[0::2])
     both = [t for o in outputs[1::2] for t in o.outputs[0].token_ids]
     assert set(both) == {300, 301}
+
+
+def test_every_eos_of_the_generation_config_ends_a_sample_as_in_hf(
+    tiny_model_dir, hf_tiny, prompts, tmp_path
+):
+    """generation_config.json may list several EOS tokens (a chat model's end of turn beside
+    its end of text): each ends a sample with finish_reason "stop" and no stop_reason, as HF
+    generate stops on each; ignore_eos ignores them all."""
+    import json
+
+    from tests.checkpoints import with_eos
+
+    tokens = [t for prompt in prompts for t in hf_generate(hf_tiny, prompt)]
+    second = max(set(tokens), key=tokens.count)  # a token the greedy outputs write often
+    folder = with_eos(tiny_model_dir, tmp_path / "eos", 0)
+    generation = tmp_path / "eos" / "generation_config.json"
+    config = json.loads(generation.read_text()) | {"eos_token_id": [0, second]}
+    generation.write_text(json.dumps(config))
+    engine = LLMEngine(EngineConfig(model=folder, device="cpu", dtype="float32", num_blocks=512))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = [o.outputs[0] for o in run_to_completion(engine, prompts, params)]
+    stopped = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            want = hf_tiny.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                eos_token_id=[0, second], pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert output.token_ids == want
+        if output.token_ids[-1] == second:
+            stopped += 1
+            assert (output.finish_reason, output.stop_reason) == ("stop", None)
+    assert stopped > 0
+    ignored = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for output in run_to_completion(engine, prompts, ignored):
+        assert len(output.outputs[0].token_ids) == MAX_TOKENS

@@ -42,7 +42,7 @@ def naive_inputs(step: ScheduledStep, bm: BlockManager) -> dict[str, list]:
 
 def test_persistent_rows_match_a_from_scratch_build_every_step():
     bm = BlockManager(14, BLOCK_SIZE)  # small enough to force preemptions
-    scheduler = Scheduler(SchedulerConfig(6, 10), bm, StopChecker(None))
+    scheduler = Scheduler(SchedulerConfig(6, 10), bm, StopChecker([]))
     # Two rows to start: the n > 1 requests make the table grow.
     grammars = GrammarMatchers(None, vocab_size=0, eos_token_id=None)  # nothing constrained
     batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE, VOCAB, torch.device("cpu"), grammars)

@@ -33,7 +33,7 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
 def request(prompt=(1,), output=(), seed=None, **params) -> SamplingState:
     """The worker's state of a sequence with `output` sampled so far."""
     sampling = SamplingParams(seed=seed, **params)
-    stops = stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, EOS)
+    stops = stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, [EOS])
     new = NewSampledSequence(0, sampling, list(prompt), 0, stops)
     state = SamplingState.create(new, torch.device("cpu"), GRAMMARS)
     state.output_token_ids += list(output)

@@ -23,7 +23,7 @@ def make_scheduler(
 ):  # fmt: skip
     bm = BlockManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(max_num_seqs, budget, prefill_interval)
-    scheduler = Scheduler(config, bm, StopChecker(EOS))
+    scheduler = Scheduler(config, bm, StopChecker([EOS]))
     return scheduler, bm
 
 
@@ -35,7 +35,9 @@ def add(scheduler, request_id, prompt_len, **params):
         list(range(1, prompt_len + 1)),
         sampling,
         arrival_time=0.0,
-        stop_token_ids=frozenset(stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, EOS)),
+        stop_token_ids=frozenset(
+            stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, [EOS])
+        ),
         max_num_tokens=length_limit(prompt_len, sampling.max_tokens, MAX_MODEL_LEN),
     )
     group.seqs.append(Sequence(scheduler.new_seq_id(), group.prompt_token_ids))

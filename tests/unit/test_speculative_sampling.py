@@ -36,7 +36,7 @@ def generate(seed: int, drafts: bool) -> list[list[int]]:
     """NUM_REQUESTS outputs of the chain through the scheduler, with drafts of NUM_DRAFT
     likeliest tokens or none."""
     rng = random.Random(seed)
-    scheduler = Scheduler(SchedulerConfig(256, 4096, 1), BlockManager(4096, 4), StopChecker(99))
+    scheduler = Scheduler(SchedulerConfig(256, 4096, 1), BlockManager(4096, 4), StopChecker([99]))
     groups = []
     for i in range(NUM_REQUESTS):
         params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -1,5 +1,5 @@
 """Finds a model (a local folder or a Hugging Face hub id) and reads its files: the
-configuration (config.json, or a dummy preset's), the EOS token and the tokenizer's path.
+configuration (config.json, or a dummy preset's), the EOS tokens and the tokenizer's path.
 
 No torch: the API processes read these too, and only the engine core builds the model
 (weights.py).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from octavo.engine.worker.models.configs import GPT2Config, GPTBigCodeConfig, config_from_hf_dict
 
@@ -70,11 +71,13 @@ def load_model_config(model: str, load_format: str) -> GPT2Config:
     return model_config(model, load_format)[1]
 
 
-def eos_token_id(path: Path | None, config: GPT2Config) -> int | None:
-    """generation_config.json's EOS (what HF generate stops on), else config.json's."""
-    eos = config.eos_token_id
+def eos_token_ids(path: Path | None, config: GPT2Config) -> list[int]:
+    """The tokens that end a sample as EOS: generation_config.json's `eos_token_id` (what HF
+    generate stops on: one id, or a list, as a chat model's end of turn beside its end of
+    text), else config.json's. The first is the model's EOS (a grammar's end)."""
+    eos: Any = config.eos_token_id
     if path is not None and (path / "generation_config.json").is_file():
         eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+    if eos is None:
+        return []
+    return list(dict.fromkeys(eos)) if isinstance(eos, list) else [eos]

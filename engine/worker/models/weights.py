@@ -13,7 +13,7 @@ from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.models.linear import PackedLinear, can_pack, replace_linears
-from octavo.engine.worker.models.model_files import eos_token_id, model_config
+from octavo.engine.worker.models.model_files import eos_token_ids, model_config
 from octavo.engine.worker.models.quantization import Int8Linear
 from octavo.engine.worker.models.registry import model_class
 
@@ -31,7 +31,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 class LoadedModel:
     model: GPT2LMHeadModel
     config: GPT2Config
-    eos_token_id: int | None
+    eos_token_ids: list[int]  # the first is config.eos_token_id
 
 
 def load_model(
@@ -47,8 +47,8 @@ def load_model(
     the CPU's kernels (linear.py): int8 with `quantization` "int8", else oneDNN-packed
     where `can_pack(dtype)`."""
     path, config = model_config(model, load_format)
-    eos = eos_token_id(path, config)
-    config = replace(config, eos_token_id=eos)
+    eos = eos_token_ids(path, config)
+    config = replace(config, eos_token_id=eos[0] if eos else None)
 
     with torch.device("meta"):
         net = model_class(config)(config, backend)

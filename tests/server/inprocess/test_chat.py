@@ -203,6 +203,9 @@ def test_chat_takes_the_completion_parameters(http, client):
     assert len(scored["prompt_logprobs"]) == scored["usage"]["prompt_tokens"]
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -210,6 +213,29 @@ def test_chat_takes_the_completion_parameters(http, client):
         ({"messages": [{"content": "no role"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
+        # An assistant's tool_calls: OpenAI's list of function calls, arguments as JSON text.
+        ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": CALL}]}, "messages"),
+        (
+            {
+                "messages": [
+                    *MESSAGES,
+                    {"role": "assistant", "tool_calls": [CALL | {"type": "custom"}]},
+                ]
+            },
+            "messages",
+        ),
+        (
+            {
+                "messages": [
+                    *MESSAGES,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [CALL | {"function": {"name": "f", "arguments": {"x": 1}}}],
+                    },
+                ]
+            },
+            "messages",
+        ),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
