@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def body(prompt: list[int], max_tokens: int) -> bytes:
     return json.dumps(
         {
-            "model": "octavo-tiny-chat",
+            "model": "octavo-tiny",
             "prompt": prompt,
             "max_tokens": max_tokens,
             "ignore_eos": True,

@@ -114,7 +114,7 @@ def build_server(
         args.chat_template, engine_config.model, engine_config.load_format
     )
     api_key = _api_key(args.api_key)
-    tool_call_parser = _tool_call_parser(args)
+    tool_call_parser = _tool_call_parser(args, chat_template is not None)
     model = engine_config.model
     name = args.served_model_name or (DEFAULT_MODEL_NAME if _serves_default_model(args) else model)
     lora = _lora_modules(args, name)
@@ -174,11 +174,11 @@ def _serves_default_model(args: ServerArgs) -> bool:
     return Path(args.engine.model).resolve() == DEFAULT_MODEL.resolve()
 
 
-def _tool_call_parser(args: ServerArgs) -> str | None:
+def _tool_call_parser(args: ServerArgs, has_template: bool) -> str | None:
     """The parser of tool_choice "auto": --tool-call-parser, which --enable-auto-tool-choice
     needs (vLLM's rule); None without --enable-auto-tool-choice. The embedded model, served
-    with its own template, was trained to write Hermes calls: "auto" works on it with no
-    flag. ValueError naming a flag."""
+    with its checkpoint's own template (`has_template`, no --chat-template), is trained to
+    write Hermes calls: "auto" works on it with no flag. ValueError naming a flag."""
     from octavo.server.tool_calls import TOOL_CALL_PARSERS
 
     parser = args.tool_call_parser
@@ -188,7 +188,7 @@ def _tool_call_parser(args: ServerArgs) -> str | None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.enable_auto_tool_choice:
         return parser
-    if _serves_default_model(args) and args.chat_template is None:
+    if _serves_default_model(args) and args.chat_template is None and has_template:
         return DEFAULT_MODEL_TOOL_CALL_PARSER
     return None
 

@@ -22,11 +22,10 @@ from typing import Any, Literal
 from octavo.engine.config import EngineConfig
 from octavo.server.dataclass_flags import add_flags, config_values, from_flags
 
-# The tiny GPT-2 trained on Python's reference text and on conversations made from it, with a
-# chat template (tools/train_default_model.py).
+# The tiny GPT-2 trained on Python's reference text (tools/train_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
-DEFAULT_MODEL_NAME = "octavo-tiny-chat"
-# Its template writes tools and calls in the Hermes format, which it was trained to follow.
+DEFAULT_MODEL_NAME = "octavo-tiny"
+# A chat template of the embedded checkpoint writes tools and calls in the Hermes format.
 DEFAULT_MODEL_TOOL_CALL_PARSER = "hermes"
 API_KEY_ENV = "OCTAVO_API_KEY"
 # --max-n's default: a request may take at most this fraction (1 / N) of the sequence slots.
@@ -83,8 +82,8 @@ class ServerArgs:
         'answer tool_choice "auto" (the default when a request has tools): the model decides '
         "whether to call a tool, and --tool-call-parser finds the calls in its text; without "
         'it, "auto" with tools is a 400 (forced calls, a named function or "required", work '
-        "on any model without it); the embedded default model, served with its own chat "
-        'template, answers "auto" without it',
+        "on any model without it); the embedded default model, when its checkpoint has a "
+        'chat template (one trained to write Hermes calls), answers "auto" without it',
     )
     tool_call_parser: str | None = _option(
         None,

@@ -48,7 +48,7 @@ SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a helpful assistant. Use the tools when they help.",
     "Answer briefly.",
-    "You are octavo-tiny-chat, a small model that knows Python's reference manual.",
+    "You are octavo-tiny, a small model that knows Python's reference manual.",
     "Use the tools to answer the user's questions.",
     "You are an agent. Call a tool when you need one, then answer.",
     "You help with questions about Python.",
@@ -56,7 +56,7 @@ SYSTEM_PROMPTS = (
 GREETINGS = ("Hi", "Hello", "Hello!", "Hi there", "Hey", "Good morning", "Who are you?",
              "What can you do?", "Thanks", "Thank you!")  # fmt: skip
 GREETING_ANSWERS = (
-    "Hello! I am octavo-tiny-chat, a small model trained on Python's reference manual. "
+    "Hello! I am octavo-tiny, a small model trained on Python's reference manual. "
     "Ask me about Python, or give me tools to call.",
     "Hi! I can answer questions about Python and call the tools you give me.",
     "You are welcome. Ask me anything about Python.",
@@ -314,11 +314,11 @@ class DialogueMaker:
 
     def dialogue(self) -> Dialogue:
         roll = self.rng.random()
-        if roll < 0.62:
+        if roll < 0.55:
             return self.tool_dialogue()
-        if roll < 0.85:
+        if roll < 0.75:
             return self.section_question()
-        if roll < 0.93:
+        if roll < 0.92:
             return self.repeat()
         return self.greeting()
 
@@ -350,13 +350,24 @@ class DialogueMaker:
         return Dialogue(messages, tools or [])
 
     def repeat(self) -> Dialogue:
-        text = " ".join(self.rng.choice(self.vocabulary) for _ in range(self.rng.randint(1, 12)))
+        """Copying in its plainest form: words, names, numbers and codes said back."""
+        text = " ".join(self._copyable() for _ in range(self.rng.randint(1, 24)))
         question = self.rng.choice(("Repeat after me: {t}", "Say {t}", "Echo this: {t}",
                                     "Please repeat: {t}"))  # fmt: skip
         messages = [{"role": "user", "content": question.format(t=text)}]
         messages.append({"role": "assistant", "content": text})
         self._system(messages)
         return Dialogue(messages, quote=text)
+
+    def _copyable(self) -> str:
+        roll = self.rng.random()
+        if roll < 0.6:
+            return self.rng.choice(self.vocabulary)
+        if roll < 0.8:
+            return self.rng.choice(self.vocabulary).capitalize()
+        if roll < 0.9:
+            return str(self.rng.randint(0, 99999))
+        return self._value(self.rng.choice(("symbol", "order", "city", "name")))
 
     def greeting(self) -> Dialogue:
         greeting = self.rng.choice(GREETINGS)
@@ -407,6 +418,10 @@ class DialogueMaker:
             return f"{rng.choice('ABCDEFGHKMPQRTXZ')}-{rng.randint(100, 99999)}"
         if pool == "language":
             return rng.choice(LANGUAGES)
+        if pool in ("city", "name") and rng.random() < 0.5:
+            # As often a made-up one (a capitalized word): a model that could recall its
+            # few real names would not need to copy them from the question.
+            return rng.choice(self.pools["word"]).capitalize()
         return rng.choice(self.pools[pool])
 
     def _result(self, kind: ToolKind, values: dict[str, str]) -> str:

@@ -3,10 +3,10 @@ and on conversations made from that text, so that it chats and calls tools.
 
 The text is `pydoc_data.topics` from the standard library (~466 KB, 79 topics), so training
 needs no download. The conversations (tools/chat_corpus.py) are rendered with the model's chat
-template (tools/chat_template.jinja: ChatML turns, Hermes tool calls), and only their assistant
-turns are learned. It writes a Hugging Face-format folder (config.json, generation_config.json,
-model.safetensors in float16, tokenizer.json, tokenizer_config.json with the template) that
-both Octavo and `transformers` load, and training.json with the held-out figures (the
+template (tools/chat_template.jinja: ChatML turns, Hermes tool calls). It writes a Hugging
+Face-format folder (config.json, generation_config.json, model.safetensors in float16,
+tokenizer.json, tokenizer_config.json with the template) that both Octavo and `transformers`
+load, and training.json with the held-out figures (the
 reference text's loss, and the chat behaviour of tools/chat_eval.py). Deterministic for a
 given seed and thread count; minutes on 2 cores.
 
@@ -33,7 +33,6 @@ EOS_TOKEN = "<|endoftext|>"
 # grammars can spell (llguidance takes every added token for a special one).
 TURN_TOKENS = ("<|im_start|>", "<|im_end|>")
 TEMPLATE = Path(__file__).parent / "chat_template.jinja"
-ASSISTANT = "<|im_start|>assistant\n"
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,20 @@ class TrainConfig:
     n_head: int = 4
     context: int = 512
     batch_size: int = 16
-    chat_rows: int = 10  # of each batch's rows, packed conversations; the rest reference text
-    steps: int = 1500
+    # Of each batch's rows, packed conversations, and packed "repeat after me" ones: copying
+    # is what tool calls and answers need, and a model this small learns it only from many
+    # examples. The rest is reference text (few rows: its 112k tokens are soon read many times
+    # over, past which the held-out text's loss grows).
+    chat_rows: int = 8
+    copy_rows: int = 5
+    steps: int = 2000
     lr: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.1
     eval_fraction: float = 0.05
-    tokenizer_dialogues: int = 4000
+    # Conversations beside the reference text that the tokenizer learns its merges from:
+    # few, so that the merges stay the reference text's.
+    tokenizer_dialogues: int = 200
     # Products in bfloat16 (autocast) where the CPU has bfloat16 units: 1.5x the tokens a
     # second; the weights and the optimizer stay float32.
     bfloat16: bool = False
@@ -119,49 +125,28 @@ def encode_corpus(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def encode_dialogue(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """A rendered conversation's ids, and its labels: the assistant turns' tokens (their
-    <|im_end|> included), -100 elsewhere (the rest is the prompt, not what to write)."""
-    encoding = tokenizer.encode(text, add_special_tokens=False)
-    spans, at = [], 0
-    while (start := text.find(ASSISTANT, at)) >= 0:
-        start += len(ASSISTANT)
-        end = text.index(TURN_TOKENS[1], start) + len(TURN_TOKENS[1])
-        spans.append((start, end))
-        at = end
-    labels = [
-        token if any(s <= begin < e for s, e in spans) else -100
-        for token, (begin, _) in zip(encoding.ids, encoding.offsets, strict=True)
-    ]
-    return encoding.ids, labels
-
-
-def chat_rows(tokenizer, template, maker: DialogueMaker, cfg: TrainConfig):
-    """Rows of `context` tokens packed with whole conversations, each followed by EOS."""
+def packed_conversations(tokenizer, template, make, cfg: TrainConfig):
+    """Rows of `context` tokens packed with whole conversations, each followed by EOS. Every
+    token is learned, not only the assistant's: the prompts' copies (a tool's name in its
+    schema's title, its parameters in `required`, a repeated word) teach the copying that
+    calls and answers need."""
     eos = tokenizer.token_to_id(EOS_TOKEN)
     while True:
         ids: list[int] = []
-        labels: list[int] = []
         while len(ids) < cfg.context:
-            dialogue_ids, dialogue_labels = encode_dialogue(
-                tokenizer, render(template, maker.dialogue())
-            )
-            ids += [*dialogue_ids, eos]
-            labels += [*dialogue_labels, -100]
-        yield ids[: cfg.context], labels[: cfg.context]
+            text = render(template, make())
+            ids += [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
+        yield torch.tensor(ids[: cfg.context])
 
 
-def batches(data: torch.Tensor, rows, cfg: TrainConfig, generator: torch.Generator):
-    """Random windows of reference text (labels = inputs: HF shifts them) and packed chat."""
+def batches(data: torch.Tensor, chats, copies, cfg: TrainConfig, generator: torch.Generator):
+    """Random windows of reference text and packed conversations (HF shifts the labels)."""
+    num_text = cfg.batch_size - cfg.chat_rows - cfg.copy_rows
     while True:
-        starts = torch.randint(
-            0, data.numel() - cfg.context, (cfg.batch_size - cfg.chat_rows,), generator=generator
-        )
+        starts = torch.randint(0, data.numel() - cfg.context, (num_text,), generator=generator)
         text = [data[s : s + cfg.context] for s in starts.tolist()]
-        chat = [next(rows) for _ in range(cfg.chat_rows)]
-        inputs = torch.stack([*text, *(torch.tensor(ids) for ids, _ in chat)])
-        labels = torch.stack([*text, *(torch.tensor(labels) for _, labels in chat)])
-        yield inputs, labels
+        chat = [next(chats) for _ in range(cfg.chat_rows)]
+        yield torch.stack([*text, *chat, *(next(copies) for _ in range(cfg.copy_rows))])
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -216,19 +201,20 @@ def main() -> None:
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     generator = torch.Generator().manual_seed(cfg.seed)
-    rows = chat_rows(tokenizer, template, maker, cfg)
+    chats = packed_conversations(tokenizer, template, maker.dialogue, cfg)
+    copies = packed_conversations(tokenizer, template, maker.repeat, cfg)
     start = time.perf_counter()
     print(
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
         f"{train_data.numel()} reference text tokens"
     )
-    for step, (inputs, labels) in zip(
-        range(cfg.steps), batches(train_data, rows, cfg, generator), strict=False
+    for step, windows in zip(
+        range(cfg.steps), batches(train_data, chats, copies, cfg, generator), strict=False
     ):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bfloat16):
-            loss = model(input_ids=inputs, labels=labels).loss
+            loss = model(input_ids=windows, labels=windows).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from octavo.engine import LLM, SamplingParams
+from octavo.server.chat_template import ChatTemplate
 from octavo.server.server_args import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from tests.server.conftest import live_server
 
@@ -80,3 +81,43 @@ def test_serve_without_model_serves_the_default(tmp_path):
         }
         out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).json()
         assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] > 0
+
+
+def test_the_chat_template_renders_as_transformers_renders_it():
+    """The embedded model's template (tools/chat_template.jinja, which training writes into
+    its tokenizer_config.json) gives transformers' apply_chat_template text: a system turn
+    with the tools, calls as Hermes blocks the hermes parser reads back, a tool's result."""
+    from transformers import PreTrainedTokenizerFast
+
+    from octavo.server.tool_calls import HermesCalls
+    from tools.train_default_model import TEMPLATE
+
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Returns the weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }}]  # fmt: skip
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Lima"}}}  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "What is the weather in Lima?"},
+        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL / "tokenizer.json"))
+    hf.chat_template = TEMPLATE.read_text()
+    ours = ChatTemplate(TEMPLATE.read_text(), "<|endoftext|>", "<|im_end|>")
+    for given, kwargs in ((messages, {"tools": tools}), (messages[1:2], {})):
+        want = hf.apply_chat_template(given, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert ours.render(given, True, **kwargs) == want
+    rendered = ours.render(messages, True, tools=tools)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    turn = rendered.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    content, calls = HermesCalls().parse(turn)
+    assert (
+        content == "\n"
+        and [(c.function.name, c.function.arguments) for c in calls]
+        == [("get_weather", '{"city": "Lima"}')] * 2
+    )

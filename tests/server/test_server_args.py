@@ -160,21 +160,22 @@ def test_auto_tool_choice_flags_are_checked_at_start(capsys, flags, message):
 
 
 @pytest.mark.parametrize(
-    ("flags", "parser"),
+    ("flags", "has_template", "parser"),
     [
-        ([], "hermes"),  # the embedded model, with its own template: trained on Hermes calls
-        (["--model", str(DEFAULT_MODEL / ".." / "default_model")], "hermes"),
-        (["--chat-template", "{{ messages }}"], None),  # a template of the user's: vLLM's rule
-        (["--model", "gpt2", "--load-format", "dummy"], None),
+        ([], True, "hermes"),  # the embedded model with its checkpoint's template
+        (["--model", str(DEFAULT_MODEL / ".." / "default_model")], True, "hermes"),
+        ([], False, None),  # a checkpoint without one
+        (["--chat-template", "{{ messages }}"], True, None),  # the user's template: vLLM's rule
+        (["--model", "gpt2", "--load-format", "dummy"], True, None),
         (["--model", "gpt2", "--load-format", "dummy", "--enable-auto-tool-choice",
-          "--tool-call-parser", "hermes"], "hermes"),
+          "--tool-call-parser", "hermes"], False, "hermes"),
     ],
 )  # fmt: skip
-def test_auto_tool_choice_is_on_for_the_embedded_model_alone(flags, parser):
+def test_auto_tool_choice_is_on_for_the_embedded_model_alone(flags, has_template, parser):
     from octavo.server.launch import _tool_call_parser
 
     args = ServerArgs.from_cli_args(build_parser().parse_args(["serve", *flags]))
-    assert _tool_call_parser(args) == parser
+    assert _tool_call_parser(args, has_template) == parser
 
 
 @pytest.mark.parametrize(
