@@ -69,9 +69,8 @@ class Dialogue:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
-    # What a held-out evaluation checks: the expected call's name, its arguments, and the
-    # text an answer must quote. None where the last assistant turn is plain text.
-    call: dict[str, Any] | None = None
+    # The text the last answer must quote (a tool's result, a repeated phrase), for the
+    # held-out evaluation; the expected call is the assistant turn's own `tool_calls`.
     quote: str | None = None
 
 
@@ -404,7 +403,7 @@ class DialogueMaker:
         answer = self.rng.choice(kind.answers).format(result=result, **values)
         messages.append({"role": "assistant", "content": answer})
         self._system(messages)
-        return Dialogue(messages, [t for t, _ in tools], call=call, quote=result)
+        return Dialogue(messages, [t for t, _ in tools], quote=result)
 
     def _value(self, pool: str) -> str:
         rng = self.rng
