@@ -11,6 +11,12 @@ Conversation figures, each a fraction of its turns:
 - `answer_quotes_result`: an answer after a tool's result quotes the result;
 - `turn_ends`: a turn ends with the template's end token before `MAX_TOKENS`;
 - `text_without_call`: a turn that should answer in text calls no tool.
+
+And, teacher-forced (one forward pass per conversation, cheap enough to print while training):
+`copied`, of held-out tool conversations, the fraction of each span the model must copy (the
+call's tool name, its arguments' values, the answer's quote of the result) whose every token is
+the model's argmax given the true tokens before it. Greedy decoding writes a span right only if
+this holds for it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +53,67 @@ def reference_loss(model_dir: Path, text: str) -> dict[str, float]:
     predicted_bytes = len(tokenizer.decode(predicted, skip_special_tokens=False).encode())
     bits = loss * len(predicted) / math.log(2)
     return {"loss": round(loss, 4), "bits_per_byte": round(bits / predicted_bytes, 4)}
+
+
+@dataclass(frozen=True)
+class CopyCase:
+    """A rendered held-out tool conversation, its token ids, and each span the model must
+    copy, by kind: its text, and the positions of the tokens that spell it."""
+
+    ids: list[int]
+    spans: dict[str, list[tuple[str, list[int]]]]
+
+
+def copy_cases(template, tokenizer, texts: list[str], count: int = 96, seed: int = 1):
+    """`count` held-out tool conversations that fit WINDOW * 4 tokens, with their spans."""
+    maker = DialogueMaker(texts, seed, held_out=True)
+    cases: list[CopyCase] = []
+    while len(cases) < count:
+        dialogue = maker.tool_dialogue()
+        text = template.render(dialogue.messages, False, tools=dialogue.tools)
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoding.ids) > WINDOW * 4:
+            continue
+        [call] = next(m for m in dialogue.messages if m.get("tool_calls"))["tool_calls"]
+        start = text.rindex("<tool_call>\n")
+        chars: dict[str, list[tuple[int, int]]] = {"tool_name": [], "argument_values": []}
+        name = text.index(json.dumps(call["function"]["name"]), start) + 1
+        chars["tool_name"].append((name, name + len(call["function"]["name"])))
+        for value in call["function"]["arguments"].values():
+            at = text.index(json.dumps(value, ensure_ascii=False), name) + isinstance(value, str)
+            chars["argument_values"].append((at, at + len(str(value))))
+            name = at + len(str(value))
+        answer = text.rindex("<|im_start|>assistant\n")
+        if dialogue.quote and dialogue.quote in text[answer:]:
+            at = text.index(dialogue.quote, answer)
+            chars["result_quotes"] = [(at, at + len(dialogue.quote))]
+        spans = {
+            kind: [
+                (text[lo:hi], [i for i, (a, b) in enumerate(encoding.offsets) if b > lo and a < hi])
+                for lo, hi in ranges
+            ]
+            for kind, ranges in chars.items()
+        }
+        cases.append(CopyCase(encoding.ids, spans))
+    return cases
+
+
+@torch.no_grad()
+def copied(model, cases: list[CopyCase]) -> dict[str, float]:
+    """Teacher-forced: per kind, the fraction of spans whose every token is the argmax."""
+    was_training = model.training
+    model.eval()
+    counts: dict[str, list[int]] = {}
+    for case in cases:
+        predicted = model(input_ids=torch.tensor([case.ids])).logits[0].argmax(-1).tolist()
+        for kind, spans in case.spans.items():
+            for _, positions in spans:
+                right = all(predicted[i - 1] == case.ids[i] for i in positions)
+                counts.setdefault(kind, [0, 0])
+                counts[kind][0] += right
+                counts[kind][1] += 1
+    model.train(was_training)
+    return {kind: round(ok / total, 3) for kind, (ok, total) in counts.items()}
 
 
 def turns(dialogue) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
@@ -103,6 +171,19 @@ def evaluate_chat(model_dir: Path, texts: list[str], count: int = 300, seed: int
     }
 
 
+def copied_by(model_dir: Path, texts: list[str]) -> dict[str, float]:
+    """`copied` of a saved checkpoint."""
+    import tokenizers
+    from transformers import GPT2LMHeadModel
+
+    from octavo.server.chat_template import load_chat_template
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    template = load_chat_template(None, str(model_dir), "auto")
+    model = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32)
+    return copied(model, copy_cases(template, tokenizer, texts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Path("server/default_model"))
@@ -115,6 +196,7 @@ def main() -> None:
     result: dict[str, Any] = {"reference_text": reference_loss(args.model, heldout)}
     if not args.reference_only:
         result |= evaluate_chat(args.model, chat_texts, args.count)
+        result["copied"] = copied_by(args.model, chat_texts)
     print(json.dumps(result, indent=2))
 
 

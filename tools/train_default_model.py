@@ -6,9 +6,9 @@ needs no download. The conversations (tools/chat_corpus.py) are rendered with th
 template (tools/chat_template.jinja: ChatML turns, Hermes tool calls). It writes a Hugging
 Face-format folder (config.json, generation_config.json, model.safetensors in float16,
 tokenizer.json, tokenizer_config.json with the template) that both Octavo and `transformers`
-load, and training.json with the held-out figures (the
-reference text's loss, and the chat behaviour of tools/chat_eval.py). Deterministic for a
-given seed and thread count; minutes on 2 cores.
+load, and training.json with the held-out figures (the reference text's loss, and the chat
+behaviour and copying of tools/chat_eval.py). Deterministic for a given seed and thread count;
+minutes on 2 cores.
 
     .venv/bin/python -m tools.train_default_model --out server/default_model
 """
@@ -172,7 +172,7 @@ def main() -> None:
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tools.chat_eval import evaluate_chat, reference_loss
+    from tools.chat_eval import copied, copied_by, copy_cases, evaluate_chat, reference_loss
 
     torch.manual_seed(cfg.seed)
     texts = corpus()
@@ -203,6 +203,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(cfg.seed)
     chats = packed_conversations(tokenizer, template, maker.dialogue, cfg)
     copies = packed_conversations(tokenizer, template, maker.repeat, cfg)
+    # Copying is what a small model learns last: its held-out figure, as training goes.
+    cases = copy_cases(template, tokenizer, chat_texts)
     start = time.perf_counter()
     print(
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
@@ -221,6 +223,8 @@ def main() -> None:
         optimizer.step()
         if step % 100 == 0 or step == cfg.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.perf_counter() - start:.0f} s")
+        if step % 500 == 0 or step == cfg.steps - 1:
+            print(f"step {step:5d}  copied {json.dumps(copied(model, cases))}")
     seconds = time.perf_counter() - start
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -248,6 +252,7 @@ def main() -> None:
     quality = {
         "reference_text": reference_loss(args.out, heldout),
         **evaluate_chat(args.out, chat_texts),
+        "copied": copied_by(args.out, chat_texts),
     }
     print(json.dumps(quality, indent=2))
     (args.out / "training.json").write_text(

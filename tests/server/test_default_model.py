@@ -121,3 +121,40 @@ def test_the_chat_template_renders_as_transformers_renders_it():
         and [(c.function.name, c.function.arguments) for c in calls]
         == [("get_weather", '{"city": "Lima"}')] * 2
     )
+
+
+def test_the_copy_probe_marks_the_spans_and_counts_a_span_right_only_when_every_token_is():
+    """tools/chat_eval's teacher-forced copy figure: its spans are the call's name, the
+    arguments' values and the answer's quote of the result; a model whose argmax at each
+    position is the next token copies all of them, one a token off copies none."""
+    from types import SimpleNamespace
+
+    from tools.chat_eval import copied, copy_cases
+    from tools.train_default_model import chat_template, corpus, split_corpus
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    _, texts, _ = split_corpus(corpus(), 0.05)
+    cases = copy_cases(chat_template(), tokenizer, texts, count=12)
+    for case in cases:
+        assert set(case.spans) <= {"tool_name", "argument_values", "result_quotes"}
+        assert case.spans["tool_name"] and case.spans["argument_values"]
+        for spans in case.spans.values():
+            for text, positions in spans:
+                spelt = tokenizer.decode([case.ids[i] for i in positions])
+                assert positions == list(range(positions[0], positions[-1] + 1))
+                assert text in spelt and len(spelt) <= len(text) + 2, (text, spelt)
+                assert text not in tokenizer.decode([case.ids[i] for i in positions[1:]])
+    assert sum("result_quotes" in case.spans for case in cases) > len(cases) // 2
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, shift: int):
+            super().__init__()
+            self.shift = shift
+
+        def forward(self, input_ids):
+            following = torch.roll(input_ids[0], -1) + self.shift
+            logits = torch.nn.functional.one_hot(following % 4096, 4096).float()
+            return SimpleNamespace(logits=logits[None])
+
+    assert set(copied(Oracle(0), cases).values()) == {1.0}
+    assert set(copied(Oracle(1), cases).values()) == {0.0}
