@@ -64,25 +64,28 @@ class CopyCase:
     spans: dict[str, list[tuple[str, list[int]]]]
 
 
-def copy_cases(template, tokenizer, texts: list[str], count: int = 96, seed: int = 1):
-    """`count` held-out tool conversations that fit WINDOW * 4 tokens, with their spans."""
+def copy_cases(
+    template, tokenizer, texts: list[str], count: int = 96, seed: int = 1, max_len: int = 512
+):
+    """`count` held-out tool conversations of at most `max_len` tokens (the model's context),
+    with their spans."""
     maker = DialogueMaker(texts, seed, held_out=True)
     cases: list[CopyCase] = []
     while len(cases) < count:
         dialogue = maker.tool_dialogue()
         text = template.render(dialogue.messages, False, tools=dialogue.tools)
         encoding = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoding.ids) > WINDOW * 4:
+        if len(encoding.ids) > max_len:
             continue
         [call] = next(m for m in dialogue.messages if m.get("tool_calls"))["tool_calls"]
         start = text.rindex("<tool_call>\n")
         chars: dict[str, list[tuple[int, int]]] = {"tool_name": [], "argument_values": []}
-        name = text.index(json.dumps(call["function"]["name"]), start) + 1
-        chars["tool_name"].append((name, name + len(call["function"]["name"])))
+        cursor = text.index(json.dumps(call["function"]["name"]), start) + 1
+        chars["tool_name"].append((cursor, cursor + len(call["function"]["name"])))
         for value in call["function"]["arguments"].values():
-            at = text.index(json.dumps(value, ensure_ascii=False), name) + isinstance(value, str)
-            chars["argument_values"].append((at, at + len(str(value))))
-            name = at + len(str(value))
+            at = text.index(json.dumps(value, ensure_ascii=False), cursor) + isinstance(value, str)
+            cursor = at + len(str(value))
+            chars["argument_values"].append((at, cursor))
         answer = text.rindex("<|im_start|>assistant\n")
         if dialogue.quote and dialogue.quote in text[answer:]:
             at = text.index(dialogue.quote, answer)
