@@ -335,3 +335,12 @@ def cpu_computes_bfloat16() -> bool:
 
     # Private, but the only way torch says it; vLLM's CPU backend asks torch._C._cpu too.
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def cpu_computes_int8() -> bool:
+    """Whether this CPU has int8 dot-product units (AVX512-VNNI or AMX), which oneDNN's int8
+    matmul kernels need. Elsewhere oneDNN takes its reference kernel, about a thousand times
+    slower, so `--quantization int8` is refused there."""
+    import torch
+
+    return bool(torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())

@@ -11,15 +11,21 @@ plain-torch twin:
 - `quantize_rows`, `rescale_rows_`: an int8 layer's per-token activation scaling, one op each
   where torch takes several small ones; twins in engine/worker/models/quantization.py.
 
-They are built with torch's C++ extension loader (g++ and ninja; about 10 s once, then cached
-under torch's extensions folder), for the CPU they run on (-march=native: the build's name
-carries this CPU's feature flags, so a home folder shared by other CPUs gets a build each).
-`load()` returns False, with the reason logged once, where they cannot be built; callers then
-take their twins' torch path.
+They are built with torch's C++ extension loader (g++ and ninja; from 10 s to minutes once,
+then cached under torch's extensions folder), for the CPU they run on (-march=native: the
+build's name carries this CPU's feature flags and torch's version, so a home folder shared by
+other CPUs or venvs gets a build each). `load()` returns False, with the reason logged once,
+where they cannot be built; callers then take their twins' torch path.
+
+Every load, built or not, runs under torch's lock file in the build folder, which a process
+killed while holding it leaves behind, and every later load then waits on it forever. So loads
+take a lock of their own first, an flock the kernel drops with its holder: whoever holds it is
+the only loader alive, and any torch lock file it finds is a dead one's, removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -47,6 +53,18 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
+def build_folder() -> Path:
+    """Where this CPU's build of the operators lies: under TORCH_EXTENSIONS_DIR where it is
+    set, else torch's extensions folder, named for this CPU, torch's version and the sources."""
+    from torch.utils import cpp_extension
+
+    text = _cpu_flags() + torch.__version__
+    text += "".join(source.read_text() for source in SOURCES + HEADERS)
+    name = f"octavo_cpu_ops_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / name
+
+
 @functools.cache
 def load() -> bool:
     """Builds (or finds built) and loads the operators into torch.ops.octavo_cpu; False, with
@@ -60,16 +78,22 @@ def load() -> bool:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    text = _cpu_flags() + "".join(source.read_text() for source in SOURCES + HEADERS)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    build_directory = build_folder()
+    name = build_directory.name
     try:
-        cpp_extension.load(
-            name=f"octavo_cpu_ops_{digest}",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        build_directory.mkdir(parents=True, exist_ok=True)
+        with open(build_directory.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            # The only loader alive holds the flock: torch's lock file here is a dead one's.
+            (build_directory / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_directory),
+                is_python_module=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure: the twins run, said once
         last_line = (str(exc).strip().splitlines() or [""])[-1]
         logger.warning(

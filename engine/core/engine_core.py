@@ -14,7 +14,12 @@ from collections.abc import Callable
 import torch
 
 from octavo import kernels
-from octavo.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig, cpu_computes_bfloat16
+from octavo.engine.config import (
+    DEFAULT_CPU_KV_CACHE_GB,
+    EngineConfig,
+    cpu_computes_bfloat16,
+    cpu_computes_int8,
+)
 from octavo.engine.core.beam_state import BeamState
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.request_outputs import final_output, refused_output
@@ -89,6 +94,12 @@ class EngineCore:
                 f"quantization {config.quantization!r} runs on a CPU with oneDNN only (its "
                 f"int8 products), not on {self.device.type}"
                 + ("" if self.device.type == "cpu" else "; leave --quantization unset there")
+            )
+        if config.quantization is not None and not cpu_computes_int8():
+            raise ValueError(
+                f"quantization {config.quantization!r} needs a CPU with int8 units (AVX512-VNNI "
+                "or AMX); on this one oneDNN's int8 products take its reference kernel, about "
+                "a thousand times slower: leave --quantization unset here"
             )
         backend = make_backend(config)
         if config.block_size < backend.min_block_size:

@@ -5,9 +5,13 @@ sequence), a strided query; unused cache slots hold NaN, so a read past a sequen
 shows. The int8 layer's row scaling against quantization.py's twins. The LoRA operator
 against lora.py's add_lora_ref."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from octavo.engine.config import cpu_computes_int8
 from octavo.engine.worker.lora import add_lora_ref
 from octavo.engine.worker.models.quantization import (
     ZERO_POINT,
@@ -100,6 +104,7 @@ def test_rescale_rows_is_its_torch_twin(dtype, bias):
     torch.testing.assert_close(out, want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(not cpu_computes_int8(), reason="this CPU has no int8 units")
 def test_int8_layer_without_the_operators_gives_the_same_product(monkeypatch):
     layer = torch.nn.Linear(64, 48).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)
@@ -132,3 +137,20 @@ def test_add_lora_is_its_torch_twin(dtype, in_features, out_features, rank):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want, atol=tolerance * 4, rtol=tolerance)
     assert torch.equal(out[slots < 0], before[slots < 0])
+
+
+def test_a_loader_killed_holding_torchs_lock_does_not_stop_later_loads():
+    """A process killed while it loads the operators leaves torch's lock file in the build
+    folder (as a server stopped while its engine starts does); the next load still returns,
+    and removes it."""
+    stale = cpu_ops.build_folder() / "lock"
+    stale.write_text("-1")  # FileBaton's file, as a killed holder leaves it
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", "from octavo.kernels import cpu_ops; assert cpu_ops.load()"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from octavo.benchmarks import quantization_quality as quality
 from octavo.engine import LLM, EngineConfig, SamplingParams
+from octavo.engine.config import cpu_computes_int8
 from octavo.engine.worker.models.linear import Linear
 from octavo.engine.worker.models.quantization import Int8Linear, quantize_per_row
 from octavo.server.cli import build_parser
@@ -22,6 +23,10 @@ from octavo.server.server_args import DEFAULT_MODEL
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="int8 products need oneDNN"
+)
+# The int8 layer itself runs only where the engine takes it (EngineCore refuses it elsewhere).
+needs_int8_units = pytest.mark.skipif(
+    not cpu_computes_int8(), reason="this CPU has no int8 units (AVX512-VNNI or AMX)"
 )
 
 
@@ -43,6 +48,7 @@ def int8_linear_ref(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     return product * sx.double() * sw.double().t() + layer.bias.double()
 
 
+@needs_int8_units
 def test_int8_product_never_takes_onednns_reference_kernel():
     """oneDNN falls back to its reference int8 matmul (a thousand times slower) for operand
     types the CPU's int8 units do not take, as signed activations on a CPU without AMX:
@@ -63,6 +69,7 @@ def test_int8_product_never_takes_onednns_reference_kernel():
     assert not any(",ref" in line for line in matmuls), matmuls
 
 
+@needs_int8_units
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
 def test_int8_layer_is_its_integer_twin_and_near_the_float_product(rows, dtype):
@@ -80,12 +87,14 @@ def test_int8_layer_is_its_integer_twin_and_near_the_float_product(rows, dtype):
     assert (error <= 0.02 * exact.abs().amax(dim=1) + 4 * eps).all()
 
 
+@needs_int8_units
 def test_an_all_zero_row_gives_the_bias():
     layer = _layer(8, 16, 0, torch.float32)
     got = Int8Linear(layer)(torch.zeros(2, 16))
     torch.testing.assert_close(got, layer.bias.detach().expand(2, 8))
 
 
+@needs_int8_units
 def test_int8_quality_on_held_out_text_is_near_hf_bfloat16s():
     """The embedded model over quantization_quality.py's held-out text: int8 keeps HF
     float32's greedy tokens nearly as long as HF's own bfloat16 does (that benchmark: 625
@@ -127,3 +136,9 @@ def test_unknown_quantization_flag_is_refused_by_the_cli(capsys):
 def test_int8_off_the_cpu_is_refused_at_start():
     with pytest.raises(ValueError, match="quantization 'int8' runs on a CPU"):
         LLM(str(DEFAULT_MODEL), device="cuda", quantization="int8")
+
+
+def test_int8_on_a_cpu_without_int8_units_is_refused_at_start(monkeypatch):
+    monkeypatch.setattr("octavo.engine.core.engine_core.cpu_computes_int8", lambda: False)
+    with pytest.raises(ValueError, match="quantization 'int8' needs a CPU with int8 units"):
+        LLM(str(DEFAULT_MODEL), device="cpu", quantization="int8")
