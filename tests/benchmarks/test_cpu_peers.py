@@ -20,6 +20,8 @@ def check_latencies(served: dict) -> None:
     for name in ("ttft", "tpot", "itl", "e2el"):
         stats = served[name]
         assert set(stats) == {"mean_ms", *ORDERED_STATS}, name
+        if name == "itl" and all(value is None for value in stats.values()):
+            continue  # every stream's tokens in one chunk: a stream behind gets them merged
         ordered = [stats[key] for key in ORDERED_STATS]
         assert 0 <= ordered[0] <= ordered[1] <= ordered[2], name
         # Fewer than 100 values: the p99 is the largest, at least their mean.
