@@ -186,6 +186,9 @@ class DecodeGraphs:
     the padding contract is tested on a CPU.
     """
 
+    # The captured decode launch stores each row's key as it reads: no row may read another's.
+    stores_first = False
+
     def __init__(
         self,
         model: GPT2LMHeadModel,

@@ -23,7 +23,8 @@ class CudagraphDispatcher:
     among them per step.
 
     FULL takes a uniform decode (every sequence decodes one token and samples it, in
-    order) of at most `full.max_batch_size` sequences; PIECEWISE any other step of at
+    order) of at most `full.max_batch_size` sequences, rows of one sequence only where the
+    full step stores every key before it reads (`full.stores_first`); PIECEWISE any other step of at
     most `piecewise.max_num_tokens` tokens; NONE the rest. Without either (enforce_eager,
     or a model the fused step cannot run), every step is NONE.
     """
@@ -36,9 +37,19 @@ class CudagraphDispatcher:
         self.full = full
         self.piecewise = piecewise
 
-    def dispatch(self, num_tokens: int, uniform_decode: bool) -> CUDAGraphMode:
-        """The mode of a step of `num_tokens` tokens (one per sequence if uniform_decode)."""
-        if self.full is not None and uniform_decode and num_tokens <= self.full.max_batch_size:
+    def dispatch(
+        self, num_tokens: int, uniform_decode: bool, decodes_share_sequences: bool
+    ) -> CUDAGraphMode:
+        """The mode of a step of `num_tokens` tokens (one per sequence if uniform_decode;
+        `decodes_share_sequences`: several of them positions of one sequence, which only a
+        full step that stores every key before it reads may take)."""
+        full = self.full
+        if (
+            full is not None
+            and uniform_decode
+            and num_tokens <= full.max_batch_size
+            and (full.stores_first or not decodes_share_sequences)
+        ):
             return CUDAGraphMode.FULL
         if self.piecewise is not None and num_tokens <= self.piecewise.max_num_tokens:
             return CUDAGraphMode.PIECEWISE

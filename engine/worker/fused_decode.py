@@ -50,6 +50,8 @@ class FusedDecode:
     layers), an MLP activation other than the tanh GELU, no layers."""
 
     max_batch_size = small_gemm.MAX_ROWS
+    # Each layer stores every row's K/V before any row attends: rows may share a sequence.
+    stores_first = True
 
     def __init__(self, decoder: Any, kv_cache: torch.Tensor):  # a torch.classes object
         self.decoder = decoder

@@ -48,6 +48,8 @@ class HostBatch:
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
     # Each token's LoRA adapter (0: the base); None when no sequence has one.
     token_lora_ids: np.ndarray | None = None
+    # Several decodes are positions of one sequence (a draft verified position by position).
+    decodes_share_sequences: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -300,6 +302,7 @@ class InputBatch:
             pending_seq_ids=[scheduled[k].seq_id for k in pending_rows.tolist()],
             prompt_logprobs=self._prompt_logprobs(output, cu_seqlens_q),
             token_lora_ids=self.row_lora[token_rows] if self._serves_adapters else None,
+            decodes_share_sequences=bool(output.num_draft_tokens),
         )
 
     @staticmethod

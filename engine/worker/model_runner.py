@@ -302,7 +302,9 @@ class ModelRunner:
         """The step's hidden states [tokens, C], run the way the dispatcher chooses."""
         if self.lora is not None:
             self.lora.prepare(batch.token_lora_ids, self.device)
-        mode = self.dispatcher.dispatch(len(batch.input_ids), uniform_decode)
+        mode = self.dispatcher.dispatch(
+            len(batch.input_ids), uniform_decode, batch.decodes_share_sequences
+        )
         if mode is CUDAGraphMode.FULL:
             assert self.dispatcher.full is not None
             return self.dispatcher.full.run(batch, pending)
@@ -317,6 +319,7 @@ class ModelRunner:
             seq_lens_host=batch.seq_lens.tolist(),
             query_lens_host=batch.query_lens.tolist(),
             num_decodes=batch.num_decodes,
+            decodes_share_sequences=batch.decodes_share_sequences,
         )
         input_ids = self._to_device("input_ids", batch.input_ids)
         if pending is not None:

@@ -334,22 +334,27 @@ class GPT2Decoder : public torch::CustomClassHolder {
 #pragma omp barrier
         product(L.attn, in, nrows, t, threads, qkv.data(), qkv_stride, n_begin, n_end);
 #pragma omp barrier
-        // Attention: a task per (sequence, K/V head) stores that head's new K/V, then reads
-        // its keys (the one just stored among them) for the G query heads sharing it.
+        // Every row's new K/V is stored before any row reads: rows of one sequence (a draft
+        // verified position by position) read the keys the rows before them bring.
+        for (int64_t task = t; task < rows * Hkv; task += threads) {
+          const int64_t r = task / Hkv, g = task % Hkv;
+          if (slots[r] < 0) continue;
+          const float* row = qkv.data() + r * qkv_stride;
+          scalar_t* k_dst = k_cache + slots[r] * slot_stride + g * D;
+          scalar_t* v_dst = v_cache + slots[r] * slot_stride + g * D;
+          const float* k_src = row + k_base_ + g * kv_head_stride_;
+          const float* v_src = row + v_base_ + g * kv_head_stride_;
+          for (int64_t d = 0; d < D; ++d) {
+            k_dst[d] = static_cast<scalar_t>(k_src[d]);
+            v_dst[d] = static_cast<scalar_t>(v_src[d]);
+          }
+        }
+#pragma omp barrier
+        // Attention: a task per (sequence, K/V head) reads its keys in the cache for the G
+        // query heads sharing it; q of head h at h * q_head_stride, the task's from g * G on.
         for (int64_t task = t; task < rows * Hkv; task += threads) {
           const int64_t r = task / Hkv, g = task % Hkv;
           const float* row = qkv.data() + r * qkv_stride;
-          if (slots[r] >= 0) {
-            scalar_t* k_dst = k_cache + slots[r] * slot_stride + g * D;
-            scalar_t* v_dst = v_cache + slots[r] * slot_stride + g * D;
-            const float* k_src = row + k_base_ + g * kv_head_stride_;
-            const float* v_src = row + v_base_ + g * kv_head_stride_;
-            for (int64_t d = 0; d < D; ++d) {
-              k_dst[d] = static_cast<scalar_t>(k_src[d]);
-              v_dst[d] = static_cast<scalar_t>(v_src[d]);
-            }
-          }
-          // q of head h at h * q_head_stride: the task's G heads from g * G on.
           auto task_fn = D == 64 ? decode_task<scalar_t, 64, float, float>
                                  : decode_task<scalar_t, 0, float, float>;
           task_fn(row, q_head_stride_, k_cache, v_cache, slot_stride,

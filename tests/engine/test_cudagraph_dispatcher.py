@@ -7,6 +7,7 @@ import pytest
 from octavo.engine import EngineConfig, LLMEngine, SamplingParams
 from octavo.engine.worker.cuda_graphs import DecodeGraphs
 from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher, CUDAGraphMode
+from octavo.engine.worker.fused_decode import FusedDecode
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import assert_hf_greedy, hf_greedy, run_to_completion
@@ -20,8 +21,10 @@ class RecordingDispatcher(CudagraphDispatcher):
         super().__init__(full, piecewise)
         self.modes: list[CUDAGraphMode] = []
 
-    def dispatch(self, num_tokens: int, uniform_decode: bool) -> CUDAGraphMode:
-        mode = super().dispatch(num_tokens, uniform_decode)
+    def dispatch(
+        self, num_tokens: int, uniform_decode: bool, decodes_share_sequences: bool
+    ) -> CUDAGraphMode:
+        mode = super().dispatch(num_tokens, uniform_decode, decodes_share_sequences)
         self.modes.append(mode)
         return mode
 
@@ -53,16 +56,27 @@ class _Sized:
     ],
 )
 def test_the_rule(num_tokens, uniform_decode, expected):
-    full = _Sized(max_batch_size=FULL_MAX_SEQS)
+    full = _Sized(max_batch_size=FULL_MAX_SEQS, stores_first=False)
     pieces = _Sized(max_num_tokens=PIECEWISE_MAX_TOKENS)
     both = CudagraphDispatcher(full, pieces)  # type: ignore[arg-type]
-    assert both.dispatch(num_tokens, uniform_decode) is expected
+    assert both.dispatch(num_tokens, uniform_decode, False) is expected
     # Without piecewise graphs what FULL does not take runs eagerly; without any, all does.
     only_full = CudagraphDispatcher(full)  # type: ignore[arg-type]
-    assert only_full.dispatch(num_tokens, uniform_decode) is (
+    assert only_full.dispatch(num_tokens, uniform_decode, False) is (
         expected if expected is CUDAGraphMode.FULL else CUDAGraphMode.NONE
     )
-    assert CudagraphDispatcher().dispatch(num_tokens, uniform_decode) is CUDAGraphMode.NONE
+    assert CudagraphDispatcher().dispatch(num_tokens, uniform_decode, False) is CUDAGraphMode.NONE
+
+
+@pytest.mark.parametrize("stores_first", [False, True])
+def test_decodes_of_one_sequence_take_a_full_step_only_where_it_stores_first(stores_first):
+    """A draft verified position by position puts rows of one sequence in one decode step:
+    a captured decode launch, which stores each row's key as it reads, must not run it."""
+    full = _Sized(max_batch_size=FULL_MAX_SEQS, stores_first=stores_first)
+    dispatcher = CudagraphDispatcher(full, _Sized(max_num_tokens=PIECEWISE_MAX_TOKENS))  # type: ignore[arg-type]
+    want = CUDAGraphMode.FULL if stores_first else CUDAGraphMode.PIECEWISE
+    assert dispatcher.dispatch(FULL_MAX_SEQS, True, True) is want
+    assert DecodeGraphs.stores_first is False and FusedDecode.stores_first is True
 
 
 def test_steps_in_every_mode_give_hf_greedy_tokens(tiny_model_dir, hf_tiny):

@@ -124,6 +124,36 @@ def test_the_fused_step_is_the_models_forward(folders, model, setting):
                 )
 
 
+@pytest.mark.parametrize("threads", [1, 8])
+def test_rows_of_one_sequence_read_the_keys_the_rows_before_them_store(folders, threads):
+    """A draft verified position by position: MAX_ROWS rows are consecutive positions of one
+    sequence, each reading the keys of the rows before it, which the step stores. Every
+    key is stored before any row attends, however the threads share the (row, head) tasks
+    (5 heads, more threads than cores): the op-by-op forward's states, which store first."""
+    llm = _llm(folders["gpt2-odd"], **SETTINGS["int8-float32"])
+    runner = llm.engine.core.runner
+    fused = runner.dispatcher.full
+    assert isinstance(fused, FusedDecode)
+    rows, length = small_gemm.MAX_ROWS, 20
+    block_tables = torch.randperm(NUM_BLOCKS - 1)[: -(-length // BLOCK_SIZE)] + 1
+    block_tables = block_tables.to(torch.int32).expand(rows, -1).contiguous()
+    positions = torch.arange(length - rows, length)
+    slots = block_tables[0].long()[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    input_ids = torch.randint(0, runner.model.config.vocab_size, (rows,))
+    inputs = (input_ids, positions, slots, block_tables, (positions + 1).to(torch.int32))
+    context = torch.randn(runner.kv_cache.shape).to(runner.kv_cache.dtype)
+    fused_cache, eager_cache = context.clone(), context.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            got = fused.decoder.forward(*inputs[:2], fused_cache, *inputs[2:])
+    finally:
+        torch.set_num_threads(before)
+    expected = _eager(runner, inputs, eager_cache)
+    torch.testing.assert_close(got, expected, **TOLERANCES["int8-float32"])
+
+
 def test_small_decodes_take_the_fused_step_and_give_the_eager_engines_tokens(folders):
     """Greedy tokens of several batch sizes (each fused while at most MAX_ROWS sequences
     decode together) equal the eager engine's, with the cache's blocks all returned. int8
@@ -140,8 +170,8 @@ def test_small_decodes_take_the_fused_step_and_give_the_eager_engines_tokens(fol
     modes = []
     dispatch = fused.engine.core.runner.dispatcher.dispatch
 
-    def spy(num_tokens, uniform_decode):
-        modes.append(dispatch(num_tokens, uniform_decode))
+    def spy(num_tokens, uniform_decode, decodes_share_sequences):
+        modes.append(dispatch(num_tokens, uniform_decode, decodes_share_sequences))
         return modes[-1]
 
     fused.engine.core.runner.dispatcher.dispatch = spy

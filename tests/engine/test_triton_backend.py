@@ -50,3 +50,56 @@ def test_triton_backend_copy_on_write_through_beam_forks(tiny_model_dir):
     expected = run_to_completion(engine(tiny_model_dir, "torch"), prompt, params)
     got = run_to_completion(engine(tiny_model_dir, "triton"), prompt, params)
     assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def _reads_a_slot_its_launch_writes(call: dict) -> bool:
+    """Whether a paged_attention call that stores the step's keys inside its decode launch
+    has a decode row that reads a slot another row of the launch writes: programs run in any
+    order on a GPU, so the read may come before the write."""
+    tables, seq_lens = call["block_tables"], call["seq_lens"].tolist()
+    slots = call["slot_mapping"].tolist()
+    num_decodes = len(seq_lens) if call["max_seqlen_q"] == 1 else call["num_decodes"]
+    block_size = call["k_cache"].shape[1]
+    written = {slots[r]: r for r in range(num_decodes)}
+    for r in range(num_decodes):
+        for position in range(seq_lens[r] - 1):  # its own key comes from `key`
+            slot = int(tables[r, position // block_size]) * block_size + position % block_size
+            if written.get(slot, r) != r:
+                return True
+    return False
+
+
+def test_a_draft_verified_position_by_position_stores_its_keys_before_reading(
+    tiny_model_dir, monkeypatch
+):
+    """N-gram speculation verifies a draft as one decode row per position, each reading the
+    keys of the rows before it. Such a step stores every key first and reads the cache, so
+    no launch that stores as it reads holds two rows of one sequence; the tokens are the
+    torch backend's."""
+    from octavo.engine.worker.attention import triton_backend
+
+    calls = []
+    attention = triton_backend.paged_attention
+
+    def spy(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, *args, **kw):
+        if kw.get("key") is not None:
+            calls.append({
+                "k_cache": k_cache, "block_tables": block_tables, "seq_lens": seq_lens,
+                "max_seqlen_q": max_seqlen_q, "num_decodes": kw["num_decodes"],
+                "slot_mapping": kw["slot_mapping"],
+            })  # fmt: skip
+        return attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
+                         *args, **kw)  # fmt: skip
+
+    monkeypatch.setattr(triton_backend, "paged_attention", spy)
+    prompt = list(range(5, 17)) * 2  # quotes itself: something to look up
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 2}  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    overrides = {"speculative_config": ngram, "async_scheduling": False}
+    expected = run_to_completion(engine(tiny_model_dir, "torch", **overrides), [prompt], greedy)
+    speculating = engine(tiny_model_dir, "triton", **overrides)
+    got = run_to_completion(speculating, [prompt], greedy)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert speculating.stats().num_draft_tokens > 0
+    assert calls and not any(_reads_a_slot_its_launch_writes(call) for call in calls)

@@ -35,6 +35,10 @@ class AttentionMetadata:
     # The leading sequences with one query token each (the input batch's count): backends
     # may run them as decodes; 0 (none counted) is always correct.
     num_decodes: int = 0
+    # Whether several decode rows are positions of one sequence (a draft verified position
+    # by position): each reads the keys the rows before it bring, so a backend stores every
+    # row's K/V before any row reads (a launch that stores as it reads could race).
+    decodes_share_sequences: bool = False
 
 
 class AttentionBackend(ABC):

@@ -11,7 +11,9 @@ from octavo.kernels.paged_attention import paged_attention
 
 class TritonAttentionBackend(AttentionBackend):
     """One paged_attention call for the whole mixed batch per layer, given the step's keys
-    and values: it stores the decodes' inside the decode kernel and the rest first.
+    and values: it stores the decodes' inside the decode kernel and the rest first. Where
+    decode rows share a sequence, a program of the decode launch could read a slot another
+    is still writing: those steps store every key first, then attend over the cache.
 
     Keys are located per position through the block table, so any block size works; the
     metadata needs no per-step preparation beyond what the runner builds (a mixed batch's
@@ -33,6 +35,15 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        key: torch.Tensor | None = k
+        value: torch.Tensor | None = v
+        slots: torch.Tensor | None = metadata.slot_mapping
+        if metadata.decodes_share_sequences:
+            # Such steps run eagerly or piecewise, never padded: every slot is a real one.
+            num_kv_heads, head_dim = k.shape[1], k.shape[2]
+            kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+            kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+            key = value = slots = None  # the cache holds them: the kernels only read
         return paged_attention(
             q,
             kv_cache[0],
@@ -46,9 +57,9 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             num_splits=metadata.decode_num_splits,
             num_decodes=metadata.num_decodes,
-            key=k,
-            value=v,
-            slot_mapping=metadata.slot_mapping,
+            key=key,
+            value=value,
+            slot_mapping=slots,
         )
 
     def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
