@@ -24,8 +24,8 @@ class CudagraphDispatcher:
 
     FULL takes a uniform decode (every sequence decodes one token and samples it, in
     order) of at most `full.max_batch_size` sequences, rows of one sequence only where the
-    full step stores every key before it reads (`full.stores_first`); PIECEWISE any other step of at
-    most `piecewise.max_num_tokens` tokens; NONE the rest. Without either (enforce_eager,
+    full step stores every key before it reads (`full.stores_first`); PIECEWISE any other
+    step of at most `piecewise.max_num_tokens` tokens; NONE the rest. Without either (enforce_eager,
     or a model the fused step cannot run), every step is NONE.
     """
 
