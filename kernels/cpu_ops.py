@@ -12,9 +12,11 @@ plain-torch twin:
   where torch takes several small ones; twins in engine/worker/models/quantization.py.
 
 They are built with torch's C++ extension loader (g++ and ninja; from 10 s to minutes once,
-then cached under torch's extensions folder), for the CPU they run on (-march=native: the
-build's name carries this CPU's feature flags and torch's version, so a home folder shared by
-other CPUs or venvs gets a build each). `load()` returns False, with the reason logged once,
+then cached under torch's extensions folder), for the CPU they run on (-march=native). The
+build's name carries this CPU's feature flags, torch's version and where the sources lie, so a
+home folder shared by other CPUs, venvs or installs gets a build each: ninja rebuilds a build
+whose sources' paths change, and two installs taking turns on one folder would each rebuild it
+on every first load. `load()` returns False, with the reason logged once,
 where they cannot be built; callers then take their twins' torch path.
 
 Every load, built or not, runs under torch's lock file in the build folder, which a process
@@ -55,10 +57,11 @@ def _cpu_flags() -> str:
 
 def build_folder() -> Path:
     """Where this CPU's build of the operators lies: under TORCH_EXTENSIONS_DIR where it is
-    set, else torch's extensions folder, named for this CPU, torch's version and the sources."""
+    set, else torch's extensions folder, named for this CPU, torch's version, the sources and
+    their folder."""
     from torch.utils import cpp_extension
 
-    text = _cpu_flags() + torch.__version__
+    text = _cpu_flags() + torch.__version__ + str(SOURCES[0].parent)
     text += "".join(source.read_text() for source in SOURCES + HEADERS)
     name = f"octavo_cpu_ops_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()

@@ -154,3 +154,17 @@ def test_a_loader_killed_holding_torchs_lock_does_not_stop_later_loads():
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_another_install_of_the_sources_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """A venv's installed package and a checkout, the same sources at two paths: ninja rebuilds
+    a build whose sources moved, so sharing one folder would rebuild it on each one's first
+    load (minutes, inside a server's startup)."""
+    ours = cpu_ops.build_folder()
+    copies = []
+    for source in cpu_ops.SOURCES:
+        copies.append(tmp_path / source.name)
+        copies[-1].write_text(source.read_text())
+    monkeypatch.setattr(cpu_ops, "SOURCES", copies)
+    theirs = cpu_ops.build_folder()
+    assert theirs != ours and theirs.parent == ours.parent

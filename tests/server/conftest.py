@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -127,6 +128,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def running_processes() -> str:
+    """The pid and command line of every process in this session (from /proc): what a server
+    that did not start waited on or competed with (a compiler, a server an earlier test left)."""
+    lines = []
+    for pid in sorted(int(name) for name in os.listdir("/proc") if name.isdigit()):
+        entry = Path("/proc", str(pid))
+        try:
+            # stat's fields after the command's parenthesised name: state, ppid, pgrp, session.
+            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended since the listing
+            continue
+        if session == os.getsid(0):
+            lines.append(f"{pid} {args[:300]}")
+    return "\n".join(lines)
+
+
 @contextmanager
 def live_server(
     model_dir: str | None, tmp_path, *extra: str, new_session: bool = False
@@ -159,7 +177,10 @@ def live_server(
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start: {log_path.read_text()}")
+                    raise RuntimeError(
+                        f"server did not start: {log_path.read_text()}\n"
+                        f"processes running:\n{running_processes()}"
+                    )
                 time.sleep(0.2)
         yield server
     finally:
