@@ -14,7 +14,7 @@ from octavo.engine.core.beam_state import (
 )
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from octavo.engine.step_io import BeamCandidates
+from octavo.engine.step_io import BeamCandidates, BeamChoice
 
 
 class BeamSearch:
@@ -30,6 +30,71 @@ class BeamSearch:
     def __init__(self, block_manager: BlockManager, new_seq_id: Callable[[], int]):
         self.block_manager = block_manager
         self.new_seq_id = new_seq_id
+        # Beams of constrained searches the worker keeps a grammar state of; the first beams
+        # announced and the beams chosen since the scheduler last took them (its next step's
+        # SchedulerOutput.new_constrained_beams and beam_choices).
+        self.constrained_beams: set[int] = set()
+        self.new_constrained_beams: dict[int, str] = {}
+        self.beam_choices: list[BeamChoice] = []
+
+    @staticmethod
+    def plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """The tokens each live beam computes this step (at most `budget` in all): live beams
+        decode together, so one step ranks candidates across all of them.
+
+        After a preemption they are recomputed sharing the prompt again: the first beam
+        computes the prompt, the others fork it at the prompt's end (`share_prompt`), then
+        each computes its own tokens but the last, which all beams compute in one decode step.
+        """
+        beams = group.unfinished_seqs
+        if all(b.num_uncomputed_tokens == 1 for b in beams):
+            return [(b, 1) for b in beams] if budget >= len(beams) else []
+        first, prompt_len = beams[0], len(group.prompt_token_ids)
+        if first.num_computed_tokens < prompt_len:
+            return [(first, min(prompt_len - first.num_computed_tokens, budget))]
+        plan = []
+        for beam in beams:
+            num_new = min(beam.num_uncomputed_tokens - 1, budget)
+            if num_new > 0:
+                plan.append((beam, num_new))
+                budget -= num_new
+        return plan
+
+    def share_prompt(self, group: SequenceGroup, first: Sequence) -> None:
+        """The other beams of a recomputed group take the prompt blocks `first` is filling."""
+        for beam in group.unfinished_seqs:
+            if beam is not first and beam.num_computed_tokens == 0:
+                self.block_manager.fork(first, beam)
+                beam.num_computed_tokens = len(group.prompt_token_ids)
+
+    def announce(self, seq: Sequence, grammar: str) -> None:
+        """The first beam of a constrained search, scheduled: the worker starts its grammar
+        state (the others are forks, announced as `BeamChoice`s)."""
+        if seq.seq_id not in self.constrained_beams:
+            self.constrained_beams.add(seq.seq_id)
+            self.new_constrained_beams[seq.seq_id] = grammar
+
+    def follow(self, group: SequenceGroup, before: list[Sequence]) -> list[int]:
+        """After a constrained search's step from the beams `before`: tells the worker which
+        beams it goes on with (each from its parent's grammar state); returns those it
+        dropped (pruned, or all at its end), whose states the worker forgets."""
+        state = group.beam
+        assert state is not None
+        live = set()
+        if not group.is_finished:
+            for seq_id, parent_seq_id, token_id in state.last_choices:
+                self.beam_choices.append(BeamChoice(seq_id, parent_seq_id, token_id))
+                self.constrained_beams.add(seq_id)
+                live.add(seq_id)
+        dropped = {b.seq_id for b in before} | {c[0] for c in state.last_choices}
+        return [seq_id for seq_id in dropped - live if self.forget(seq_id)]
+
+    def forget(self, seq_id: int) -> bool:
+        """Stops following a beam; whether the worker kept a grammar state of it."""
+        if seq_id not in self.constrained_beams:
+            return False
+        self.constrained_beams.discard(seq_id)
+        return True
 
     def step(self, group: SequenceGroup, candidates: BeamCandidates) -> None:
         """candidates: each live beam's best next tokens, at least `candidates_needed` of them

@@ -8,6 +8,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple, cast
 
 from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.block_manager import BlockManager
@@ -20,7 +21,6 @@ from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.step_io import (
-    BeamChoice,
     ModelRunnerOutput,
     NewSampledSequence,
     PromptLogprobsSpan,
@@ -43,11 +43,21 @@ class SchedulerUpdate:
     finished: list[SequenceGroup]
 
 
-# A scheduled sequence as the core sees it: its group, itself, and the sequences sampled
-# from its last position (none, itself, or itself and the samples forked off it).
-CoreEntry = tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]
-# How a sequence is scheduled: the ids of the sequences sampled from it, and its core entry.
-ScheduleRow = tuple[tuple[int, ...], CoreEntry]
+class CoreEntry(NamedTuple):
+    """A scheduled sequence as the core sees it: its group, itself, and the sequences sampled
+    from its last position (none, itself, or itself and the samples forked off it)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    sampled: tuple[Sequence, ...]
+
+
+class SampleRow(NamedTuple):
+    """How a sequence is scheduled: the ids of the sequences sampled from it (the worker's
+    `ScheduledSequence.sample_seq_ids`) and its core entry."""
+
+    sample_seq_ids: tuple[int, ...]
+    entry: CoreEntry
 
 
 @dataclass
@@ -122,14 +132,9 @@ class Scheduler:
         self._num_running_seqs: int | None = None  # None: to be recounted
         self._steps_since_admission = 0  # schedule() calls since one admitted a group
         # Per sequence sampled so far (until it finishes): its row (see _sample_row).
-        self._sample_rows: dict[int, ScheduleRow] = {}
+        self._sample_rows: dict[int, SampleRow] = {}
         self._new_sampled: list[NewSampledSequence] = []  # since the last schedule()
         self._finished_seq_ids: list[int] = []  # sampled sequences finished since then
-        # Beams of constrained beam searches the worker keeps a grammar state of, the first
-        # beams announced since the last schedule(), and the beams chosen since then.
-        self._constrained_beams: set[int] = set()
-        self._new_constrained_beams: dict[int, str] = {}
-        self._beam_choices: list[BeamChoice] = []
         self._num_prompt_logprobs_spans = 0  # in the step being scheduled
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified
         self.num_accepted_tokens = 0  # of which the model chose
@@ -251,7 +256,7 @@ class Scheduler:
                 adapters.add(lora_int_id)
         self.waiting.extendleft(reversed(passed_over))
 
-        bm = self.block_manager
+        bm, beams = self.block_manager, self.beam_search
         changed, freed = bm.take_changes()
         output = SchedulerOutput(
             scheduled=step.decodes + step.prefills,
@@ -261,13 +266,13 @@ class Scheduler:
             new_sampled=self._new_sampled,
             freed_seq_ids=freed,
             finished_seq_ids=self._finished_seq_ids,
-            new_constrained_beams=self._new_constrained_beams,
-            beam_choices=self._beam_choices,
+            new_constrained_beams=beams.new_constrained_beams,
+            beam_choices=beams.beam_choices,
             has_prompt_logprobs=self._num_prompt_logprobs_spans > 0,
             num_draft_tokens=step.num_draft_tokens,
         )
         self._new_sampled, self._finished_seq_ids = [], []
-        self._new_constrained_beams, self._beam_choices = {}, []
+        beams.new_constrained_beams, beams.beam_choices = {}, []
         return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
 
     def requests_per_adapter(self, groups: Iterable[SequenceGroup]) -> dict[int, int]:
@@ -324,169 +329,132 @@ class Scheduler:
             self.num_prefix_cache_queries += len(seqs[0].token_ids)
             self.num_prefix_cache_hits += num_cached
 
-    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> ScheduleRow:
-        """The row of `seq` (of a sampling request), sampled from itself: built, and
-        announced to the worker (`NewSampledSequence`), the first time it is sampled; reused
-        by every step after until it finishes, so a steady decode allocates no entry."""
-        row = self._sample_rows.get(seq.seq_id)
-        if row is None:
-            row = self._sample_rows[seq.seq_id] = ((seq.seq_id,), (group, seq, (seq,)))
-            self._new_sampled.append(
-                NewSampledSequence(
-                    seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
-                    list(group.stop_token_ids),
-                )
-            )  # fmt: skip
-        return row
-
     def _schedule_group(self, group: SequenceGroup, budget: int, step: _StepBuilder) -> int | None:
-        """Schedules `group`'s tokens of this step by the one rule and advances its sequences
-        past them; returns the number of tokens, or None, having changed nothing, when the
-        free blocks are too few for all of them.
-
-        The one rule, for prompts and decodes alike: each unfinished sequence, in order,
-        computes the tokens it still needs (`num_uncomputed_tokens`: the rest of its prompt,
-        all its tokens again after a preemption, or the one it sampled last), capped by what
-        is left of `budget`. A sequence whose pending tokens already bring it to max_tokens
-        or max_model_len computes none: it finishes on them, and past max_model_len the model
-        has no positions. Live beams are planned together (`_plan_beams`).
-
-        What a scheduled sequence's last position feeds: nothing (a chunk short of its end),
-        beam search (`beam_top_k`), or sampling, from the sequence itself (its cached row,
-        `_sample_row`) or, for an n > 1 prompt, from it and the samples forked off it here.
-        Each sequence sampled from gets a pending token.
-
-        Most calls are one sample's decode: a sequence with a cached row (sampled from
-        itself), one token to compute and a slot for it. That case is the same rule with
-        its answers read off the cache, without building a plan."""
+        """Schedules `group`'s tokens of this step by the one rule (`_num_new`) and advances its
+        sequences past them (`_schedule_seq`); returns the number of tokens, or None, having
+        changed nothing, when the free blocks are too few for all of them. Live beams are
+        planned together (`BeamSearch.plan`)."""
         seqs = group.seqs
-        if len(seqs) == 1:
+        if len(seqs) == 1:  # most groups: one sequence, its slots allocated alone
             seq = seqs[0]
-            cached = self._sample_rows.get(seq.seq_id)
-            start = seq.num_computed_tokens
-            known = len(seq.token_ids) + seq.num_pending_tokens
-            if (
-                cached is not None
-                and known - start == 1
-                and known < group.max_num_tokens
-                and not seq.spec_token_ids
-            ):
-                if not self.block_manager.allocate_slots(seq, 1):
+            num_new = self._num_new(group, seq, budget)
+            if num_new:
+                if not self.block_manager.allocate_slots(seq, num_new):
                     return None
-                seq.num_computed_tokens = start + 1
-                seq.num_pending_tokens += 1
-                step.decodes.append(
-                    ScheduledSequence(
-                        seq.seq_id, start, 1, seq.token_ids[start : start + 1], cached[0]
-                    )
-                )
-                step.decode_entries.append(cached[1])
-                return 1
-        beam = group.beam
-        if beam is not None and group.num_unfinished_seqs > 1:
-            plan = self._plan_beams(group, budget)
+                self._schedule_seq(group, seq, num_new, step)
+            return num_new
+        if group.beam is not None and group.num_unfinished_seqs > 1:
+            plan = BeamSearch.plan(group, budget)
         else:
             plan = []
-            for seq in group.seqs:
-                if seq.is_finished:
-                    continue
-                pending = seq.num_pending_tokens
-                known = len(seq.token_ids) + pending
-                if pending and known >= group.max_num_tokens:
-                    continue
-                drafts = seq.spec_token_ids
-                if drafts and seq.num_computed_tokens != known - 1:
-                    drafts.clear()  # recomputed after a preemption: no draft this step
-                num_new = known + len(drafts) - seq.num_computed_tokens
-                if num_new > budget:
-                    num_new = budget
-                    del drafts[max(num_new - 1, 0) :]  # the budget cuts the draft first
-                if num_new == 0:
+            for seq in seqs:
+                num_new = self._num_new(group, seq, budget)
+                if num_new:
+                    plan.append((seq, num_new))
+                    budget -= num_new
+                elif not budget:
                     break
-                plan.append((seq, num_new))
-                budget -= num_new
-        if len(plan) == 1:  # most groups: one sequence
-            if not self.block_manager.allocate_slots(*plan[0]):
-                return None
-        elif not self._allocate(plan):
+        if not self._allocate(plan):
             return None
-
-        scheduled = 0
         for seq, num_new in plan:
-            start = seq.num_computed_tokens
-            end = start + num_new
-            scheduled += num_new
-            beam_top_k = 0
-            shares_prompt = False
-            input_token_ids = seq.token_ids[start:end]
-            num_drafts = len(seq.spec_token_ids)
-            if num_drafts:  # a sampled sequence's last token, then its draft
-                input_token_ids += seq.spec_token_ids
-                step.num_draft_tokens += num_drafts
-            row: ScheduleRow
-            if end < len(seq.token_ids) + seq.num_pending_tokens:
-                # A chunk short of the sequence's end: nothing is sampled from it.
-                row = (), (group, seq, ())
-                shares_prompt = beam is not None and end == len(group.prompt_token_ids)
-            elif beam is not None:
-                row = (), (group, seq, ())
-                beam_top_k = beam.candidates_needed
-                if group.beam_grammar is not None:
-                    self._announce_beam(seq, group.beam_grammar)
-            elif len(group.seqs) < group.num_sequences:  # group.needs_fork, inline
-                self._sample_row(group, seq)
-                children = self._fork(group, seq)
-                for child in children:  # the prompt this step completes is theirs too
-                    child.num_computed_tokens = end
-                    self._sample_row(group, child)
-                sampled = (seq, *children)
-                row = tuple(s.seq_id for s in sampled), (group, seq, sampled)
-            else:
-                row = self._sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
-            sample_ids, entry = row
-            seq.num_computed_tokens = end
-            for sampled_seq in entry[2]:
-                sampled_seq.num_pending_tokens += 1
-            span = (
-                self._prompt_logprobs_span(group, start, num_new)
-                if group.wants_prompt_logprobs
-                else None
-            )
-            item = ScheduledSequence(
-                seq.seq_id, start, num_new, input_token_ids, sample_ids, beam_top_k, span,
-                num_drafts,
-            )  # fmt: skip
-            if num_new == 1 or num_drafts:  # a draft is verified as decodes (input_batch)
-                step.decodes.append(item)
-                step.decode_entries.append(entry)
-            else:
-                step.prefills.append(item)
-                step.prefill_entries.append(entry)
-            if shares_prompt:
-                self._share_recomputed_prompt(group, seq)
-        return scheduled
+            self._schedule_seq(group, seq, num_new, step)
+        return sum(num_new for _, num_new in plan)
 
     @staticmethod
-    def _plan_beams(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """Live beams decode together: one step ranks candidates across all of them.
+    def _num_new(group: SequenceGroup, seq: Sequence, budget: int) -> int:
+        """The one rule, for prompts and decodes alike: the tokens `seq` still needs
+        (`num_uncomputed_tokens`: the rest of its prompt, all its tokens again after a
+        preemption, or the one it sampled last; then its draft), capped by `budget`, which
+        cuts the draft first. None for a finished sequence, or one whose pending tokens
+        already bring it to max_tokens or max_model_len: it finishes on them, and past
+        max_model_len the model has no positions. A sequence recomputed after a preemption
+        verifies no draft."""
+        if seq.is_finished:
+            return 0
+        pending = seq.num_pending_tokens
+        known = len(seq.token_ids) + pending
+        if pending and known >= group.max_num_tokens:
+            return 0
+        drafts = seq.spec_token_ids
+        if drafts and seq.num_computed_tokens != known - 1:
+            drafts.clear()
+        num_new = known + len(drafts) - seq.num_computed_tokens
+        if num_new > budget:
+            num_new = budget
+            del drafts[max(num_new - 1, 0) :]
+        return num_new
 
-        After a preemption they are recomputed sharing the prompt again: the first beam
-        computes the prompt, the others fork it at the prompt's end (`_schedule_group`), then
-        each computes its own tokens but the last, which all beams compute in one decode step.
-        """
-        beams = group.unfinished_seqs
-        if all(b.num_uncomputed_tokens == 1 for b in beams):
-            return [(b, 1) for b in beams] if budget >= len(beams) else []
-        first, prompt_len = beams[0], len(group.prompt_token_ids)
-        if first.num_computed_tokens < prompt_len:
-            return [(first, min(prompt_len - first.num_computed_tokens, budget))]
-        plan = []
-        for beam in beams:
-            num_new = min(beam.num_uncomputed_tokens - 1, budget)
-            if num_new > 0:
-                plan.append((beam, num_new))
-                budget -= num_new
-        return plan
+    def _schedule_seq(
+        self, group: SequenceGroup, seq: Sequence, num_new: int, step: _StepBuilder
+    ) -> None:
+        """Adds `num_new` tokens of `seq` (their slots allocated) to the step and advances it
+        past them. What its last position feeds: nothing (a chunk short of its end), beam
+        search (`beam_top_k`), or sampling (`_sample_row`), each sequence sampled from getting
+        a pending token. One query token, or a draft (verified as decodes, input_batch), is a
+        decode; more are a prefill."""
+        start = seq.num_computed_tokens
+        end = seq.num_computed_tokens = start + num_new
+        input_token_ids = seq.token_ids[start:end]
+        num_drafts = len(seq.spec_token_ids)
+        if num_drafts:  # a sampled sequence's last token, then its draft
+            input_token_ids += seq.spec_token_ids
+            step.num_draft_tokens += num_drafts
+        beam = group.beam
+        beam_top_k = 0
+        if end < len(seq.token_ids) + seq.num_pending_tokens:
+            row = SampleRow((), CoreEntry(group, seq, ()))
+            if beam is not None and end == len(group.prompt_token_ids):
+                self.beam_search.share_prompt(group, seq)
+        elif beam is not None:
+            row = SampleRow((), CoreEntry(group, seq, ()))
+            beam_top_k = beam.candidates_needed
+            if group.beam_grammar is not None:
+                self.beam_search.announce(seq, group.beam_grammar)
+        else:
+            row = self._sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
+            for sampled in row.entry.sampled:
+                sampled.num_pending_tokens += 1
+        span = (
+            self._prompt_logprobs_span(group, start, num_new)
+            if group.wants_prompt_logprobs
+            else None
+        )
+        item = ScheduledSequence(
+            seq.seq_id, start, num_new, input_token_ids, row.sample_seq_ids, beam_top_k, span,
+            num_drafts,
+        )  # fmt: skip
+        if num_new == 1 or num_drafts:
+            step.decodes.append(item)
+            step.decode_entries.append(row.entry)
+        else:
+            step.prefills.append(item)
+            step.prefill_entries.append(row.entry)
+
+    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> SampleRow:
+        """The row of `seq` (of a sampling request) the first time it is sampled from: its
+        own (`_keep_row`), or, for an n > 1 prompt, one sampling the children forked off it
+        here too (each kept with its own row: the steps after sample each from itself)."""
+        row = self._keep_row(group, seq)
+        if len(group.seqs) == group.num_sequences:
+            return row
+        sampled = (seq, *self._fork(group, seq))  # at the prompt's end, as seq now is
+        for child in sampled[1:]:
+            self._keep_row(group, child)
+        return SampleRow(tuple(s.seq_id for s in sampled), CoreEntry(group, seq, sampled))
+
+    def _keep_row(self, group: SequenceGroup, seq: Sequence) -> SampleRow:
+        """`seq`'s row sampled from itself, announced to the worker (`NewSampledSequence`)
+        and kept for every step until it finishes, so a steady decode allocates no row."""
+        row = self._sample_rows[seq.seq_id] = SampleRow(
+            (seq.seq_id,), CoreEntry(group, seq, (seq,))
+        )
+        self._new_sampled.append(
+            NewSampledSequence(
+                seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
+                list(group.stop_token_ids),
+            )
+        )  # fmt: skip
+        return row
 
     def _allocate(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Allocates the slots of every planned sequence, or of none (False). The check may
@@ -542,13 +510,6 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _share_recomputed_prompt(self, group: SequenceGroup, first: Sequence) -> None:
-        """The other beams of a recomputed group take the prompt blocks `first` is filling."""
-        for beam in group.unfinished_seqs:
-            if beam is not first and beam.num_computed_tokens == 0:
-                self.block_manager.fork(first, beam)
-                beam.num_computed_tokens = len(group.prompt_token_ids)
-
     def _preempt(self, group: SequenceGroup) -> None:
         self._num_running_seqs = None
         for seq in group.unfinished_seqs:
@@ -581,19 +542,15 @@ class Scheduler:
     def _update_sampled(
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float
     ) -> None:
-        """Appends each sampled row's token to its sequence and applies the stop rules.
+        """Appends each sampled sequence's tokens (`_append_sampled`) and gathers what each
+        request gained.
 
-        Rows come in the order of the step's scheduled sequences and their samples; each row
-        names its sequence and a row that names another is a broken contract
-        (AssertionError). A sequence that computed a draft has a row per draft position
-        (`_keep_drafted`). One loop does everything per row: this runs for every token of
-        every request."""
-        seq_ids, sampled = result.sampled_seq_ids, result.sampled
-        token_ids, logprobs, top_logprobs = (
-            sampled.token_ids, sampled.logprobs, sampled.top_logprobs
-        )  # fmt: skip
-        check_stop = self.stop_checker.check
-        grammar_ended, grammar_failed = result.grammar.ended, result.grammar.failed
+        Rows come in the order of the step's scheduled sequences and their samples, a row per
+        sequence and one per draft token besides; a row that names another sequence is a
+        broken contract (AssertionError). One loop does everything per row: this runs for
+        every token of every request."""
+        seq_ids = result.sampled_seq_ids
+        logprobs = result.sampled.logprobs
         outputs, finished = update.outputs, update.finished
         # Groups with several samples gather their deltas here (first: their first tokens).
         gathered: dict[int, tuple[SequenceGroup, list[SampleDelta], bool]] = {}
@@ -605,12 +562,9 @@ class Scheduler:
             for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:
                     raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
-                drafts = seq.spec_token_ids
-                token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
                 first_row = row
-                row += 1
-                if drafts:  # a row per draft token besides
-                    row += len(drafts)
+                num_rows = 1 + len(seq.spec_token_ids)
+                row += num_rows
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # a token sampled past a stop, an abort or a failure
                     seq.spec_token_ids = []
@@ -619,46 +573,23 @@ class Scheduler:
                 if first:
                     group.first_token_time = now
                 try:
-                    if drafts:
-                        new_token_ids, tops, finish_reason = self._keep_drafted(
-                            group, seq, first_row, result
-                        )
-                        num_tokens += len(new_token_ids) - 1 - len(drafts)
-                    else:
-                        tokens = seq.token_ids
-                        tokens.append(token_id)
-                        if grammar_failed and seq.seq_id in grammar_failed:
-                            raise ValueError(
-                                f"structured outputs: no token the grammar allows was left "
-                                f"(token {token_id}: {grammar_failed[seq.seq_id]})"
-                            )
-                        if logprob is not None:
-                            seq.cumulative_logprob += logprob
-                        finish_reason = None
-                        ended = bool(grammar_ended) and seq.seq_id in grammar_ended
-                        if (
-                            ended
-                            or token_id in group.stop_token_ids
-                            or len(tokens) >= group.max_num_tokens
-                        ):
-                            decision = check_stop(seq, group, ended)
-                            if decision is not None:
-                                self._stop(seq, decision.finish_reason, decision.stop_reason)
-                                finish_reason = decision.finish_reason
-                        new_token_ids = [token_id]
-                        tops = None if top is None else [top]
+                    new_token_ids, tops, finish_reason = self._append_sampled(
+                        group, seq, first_row, result
+                    )
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                     self.fail(group, exc)
                     finished.append(group)
                     outputs.append(final_output(group, []))
                     gathered.pop(id(group), None)
                     continue  # its other rows still count (their sequences are finished)
+                num_tokens += len(new_token_ids) - num_rows
                 if group.final_only:  # a sample's finish carries all its tokens, nothing else
                     if finish_reason is None:
                         continue
                     new_token_ids = seq.output_token_ids
                 delta = SampleDelta(
-                    seq.index, new_token_ids, None if logprob is None else seq.cumulative_logprob,
+                    seq.index, new_token_ids,
+                    None if logprobs[first_row] is None else seq.cumulative_logprob,
                     tops, finish_reason, seq.stop_reason,
                 )  # fmt: skip
                 if len(group.seqs) == 1:  # one sample: its output is complete
@@ -682,23 +613,64 @@ class Scheduler:
             else:
                 outputs.append(progress_output(group, deltas, first))
 
-    def _keep_drafted(
+    def _append_sampled(
         self, group: SequenceGroup, seq: Sequence, row: int, result: ModelRunnerOutput
     ) -> tuple[list[int], list[dict[int, float]] | None, str | None]:
-        """Applies the rows of a sequence that computed its draft (speculative decoding):
-        row i is the model's token after the draft's first i tokens. The sequence keeps the
-        rows' tokens up to the first whose draft token the model did not choose, that row's
-        own token included (the first row's always: a step gains at least one token),
-        stopping at a stop rule; the cache keeps the positions of the kept inputs. Returns
-        the tokens kept, their top logprobs (None when not asked for) and the finish
-        reason."""
-        sampled = result.sampled
+        """Appends the tokens sequence `seq` keeps from its rows, from `row` on, and applies
+        the stop rules to each. A sequence without a draft keeps its one row's token. One
+        that computed a draft (speculative decoding) has a row per draft position besides:
+        row i is the model's token after the draft's first i tokens, and it keeps the rows'
+        tokens up to the first whose draft token the model did not choose, that row's own
+        token included (a step gains at least one token); the cache keeps the positions of
+        the kept inputs. A stop rule ends the tokens kept. Returns the tokens kept, their top
+        logprobs (None when not asked for) and the finish reason."""
+        sampled, grammar = result.sampled, result.grammar
         drafts = seq.spec_token_ids
-        seq.spec_token_ids = []
+        num_kept = 1
+        if drafts:
+            seq.spec_token_ids = []
+            num_kept += self._accept_drafted(seq, drafts, row, result)
+        tokens = seq.token_ids
+        new_token_ids = sampled.token_ids[row : row + num_kept]
+        finish_reason = None
+        for r in range(row, row + num_kept):
+            token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
+            tokens.append(token_id)
+            if grammar.failed and seq.seq_id in grammar.failed:
+                raise ValueError(
+                    f"structured outputs: no token the grammar allows was left "
+                    f"(token {token_id}: {grammar.failed[seq.seq_id]})"
+                )
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
+            ended = bool(grammar.ended) and seq.seq_id in grammar.ended
+            if ended or token_id in group.stop_token_ids or len(tokens) >= group.max_num_tokens:
+                decision = self.stop_checker.check(seq, group, ended)
+                if decision is not None:
+                    self._stop(seq, decision.finish_reason, decision.stop_reason)
+                    finish_reason = decision.finish_reason
+                    del new_token_ids[r - row + 1 :]
+                    break
+        if drafts:
+            seq.num_computed_tokens = len(tokens) - 1  # its last token's K/V: next step
+        tops = sampled.top_logprobs
+        if tops[row] is None:  # a request's rows all have top logprobs, or none has
+            return new_token_ids, None, finish_reason
+        return (
+            new_token_ids,
+            cast(list[dict[int, float]], tops[row : row + len(new_token_ids)]),
+            finish_reason,
+        )
+
+    def _accept_drafted(
+        self, seq: Sequence, drafts: list[int], row: int, result: ModelRunnerOutput
+    ) -> int:
+        """How many of `drafts` the model chose (its rows from `row` on: the first row's token
+        after none of them), counted in the acceptance statistics."""
         count = len(drafts) + 1
         if result.sampled_seq_ids[row : row + count] != [seq.seq_id] * count:
             raise AssertionError(f"rows {row}..{row + count - 1} are not sequence {seq.seq_id}")
-        chosen = sampled.token_ids[row : row + count]
+        chosen = result.sampled.token_ids[row : row + count]
         accepted = 0
         while accepted < len(drafts) and chosen[accepted] == drafts[accepted]:
             accepted += 1
@@ -709,26 +681,7 @@ class Scheduler:
             per_pos += [0] * (accepted - len(per_pos))
         for position in range(accepted):
             per_pos[position] += 1
-        new_token_ids: list[int] = []
-        tops: list[dict[int, float]] = []
-        finish_reason = None
-        for r in range(row, row + accepted + 1):
-            token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
-            seq.token_ids.append(token_id)
-            new_token_ids.append(token_id)
-            top = sampled.top_logprobs[r]
-            if top is not None:
-                tops.append(top)
-            if logprob is not None:
-                seq.cumulative_logprob += logprob
-            if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
-                decision = self.stop_checker.check(seq, group, False)
-                if decision is not None:
-                    self._stop(seq, decision.finish_reason, decision.stop_reason)
-                    finish_reason = decision.finish_reason
-                    break
-        seq.num_computed_tokens = len(seq.token_ids) - 1  # its last token's K/V: next step
-        return new_token_ids, tops or None, finish_reason
+        return accepted
 
     def _update_beams(
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float
@@ -788,25 +741,10 @@ class Scheduler:
             self.fail(group, exc)
             return
         if group.beam_grammar is not None:
-            self._follow_constrained_beams(group, beams)
+            self._finished_seq_ids += self.beam_search.follow(group, beams)
         self.num_generation_tokens += len(beams)
         if group.first_token_time is None:
             group.first_token_time = now
-
-    def _follow_constrained_beams(self, group: SequenceGroup, before: list[Sequence]) -> None:
-        """Tells the worker which beams a constrained search goes on with (each from its
-        parent's grammar state), and which it dropped: pruned, or all at its end."""
-        state = group.beam
-        assert state is not None
-        live = set()
-        if not group.is_finished:
-            for seq_id, parent_seq_id, token_id in state.last_choices:
-                self._beam_choices.append(BeamChoice(seq_id, parent_seq_id, token_id))
-                self._constrained_beams.add(seq_id)
-                live.add(seq_id)
-        for seq_id in {b.seq_id for b in before} | {c[0] for c in state.last_choices}:
-            if seq_id not in live:
-                self._forget_beam(seq_id)
 
     def fail(self, group: SequenceGroup, exc: BaseException) -> None:
         """Ends a request whose processing raised: its unfinished sequences finish with
@@ -833,18 +771,6 @@ class Scheduler:
         self._num_running_seqs = None
         seq.status = status
         self.block_manager.free(seq)
-        if self._sample_rows.pop(seq.seq_id, None) is not None:
+        kept = self._sample_rows.pop(seq.seq_id, None) is not None
+        if kept or self.beam_search.forget(seq.seq_id):
             self._finished_seq_ids.append(seq.seq_id)
-        self._forget_beam(seq.seq_id)
-
-    def _announce_beam(self, seq: Sequence, grammar: str) -> None:
-        """The first beam of a constrained search, scheduled: the worker starts its grammar
-        state (the others are forks, announced as `BeamChoice`s)."""
-        if seq.seq_id not in self._constrained_beams:
-            self._constrained_beams.add(seq.seq_id)
-            self._new_constrained_beams[seq.seq_id] = grammar
-
-    def _forget_beam(self, seq_id: int) -> None:
-        if seq_id in self._constrained_beams:
-            self._constrained_beams.discard(seq_id)
-            self._finished_seq_ids.append(seq_id)

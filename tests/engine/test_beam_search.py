@@ -113,8 +113,8 @@ def test_beam_search_equals_transformers(eos_model_dir, hf_eos, cases, expected,
         EngineConfig(model=eos_model_dir, device="cpu", dtype="float32", **engine_kwargs)
     )
     shares = []  # preempted multi-beam groups that recomputed their prompt once, then forked
-    share = engine.scheduler._share_recomputed_prompt
-    engine.scheduler._share_recomputed_prompt = lambda g, s: (
+    share = engine.scheduler.beam_search.share_prompt
+    engine.scheduler.beam_search.share_prompt = lambda g, s: (
         shares.append(len(g.unfinished_seqs)),
         share(g, s),
     )
