@@ -8,7 +8,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple, cast
 
 from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.block_manager import BlockManager
@@ -43,21 +42,13 @@ class SchedulerUpdate:
     finished: list[SequenceGroup]
 
 
-class CoreEntry(NamedTuple):
-    """A scheduled sequence as the core sees it: its group, itself, and the sequences sampled
-    from its last position (none, itself, or itself and the samples forked off it)."""
-
-    group: SequenceGroup
-    seq: Sequence
-    sampled: tuple[Sequence, ...]
-
-
-class SampleRow(NamedTuple):
-    """How a sequence is scheduled: the ids of the sequences sampled from it (the worker's
-    `ScheduledSequence.sample_seq_ids`) and its core entry."""
-
-    sample_seq_ids: tuple[int, ...]
-    entry: CoreEntry
+# A scheduled sequence as the core sees it: (its group, itself, the sequences sampled from its
+# last position: none, itself, or itself and the samples forked off it). Plain tuples, read by
+# unpacking: a tuple subclass (a NamedTuple) unpacks through the generic iterator path, and
+# these are unpacked for every sequence of every step.
+CoreEntry = tuple[SequenceGroup, Sequence, tuple[Sequence, ...]]
+# How a sequence is scheduled: (the ids of the sequences sampled from it, its core entry).
+SampleRow = tuple[tuple[int, ...], CoreEntry]
 
 
 @dataclass
@@ -329,132 +320,148 @@ class Scheduler:
             self.num_prefix_cache_queries += len(seqs[0].token_ids)
             self.num_prefix_cache_hits += num_cached
 
+    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> SampleRow:
+        """The row of `seq` (of a sampling request), sampled from itself: built, and
+        announced to the worker (`NewSampledSequence`), the first time it is sampled; reused
+        by every step after until it finishes, so a steady decode allocates no entry."""
+        row = self._sample_rows.get(seq.seq_id)
+        if row is None:
+            row = self._sample_rows[seq.seq_id] = (seq.seq_id,), (group, seq, (seq,))
+            self._new_sampled.append(
+                NewSampledSequence(
+                    seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
+                    list(group.stop_token_ids),
+                )
+            )  # fmt: skip
+        return row
+
     def _schedule_group(self, group: SequenceGroup, budget: int, step: _StepBuilder) -> int | None:
-        """Schedules `group`'s tokens of this step by the one rule (`_num_new`) and advances its
-        sequences past them (`_schedule_seq`); returns the number of tokens, or None, having
-        changed nothing, when the free blocks are too few for all of them. Live beams are
-        planned together (`BeamSearch.plan`)."""
+        """Schedules `group`'s tokens of this step by the one rule and advances its sequences
+        past them; returns the number of tokens, or None, having changed nothing, when the
+        free blocks are too few for all of them.
+
+        The one rule, for prompts and decodes alike: each unfinished sequence, in order,
+        computes the tokens it still needs (`num_uncomputed_tokens`: the rest of its prompt,
+        all its tokens again after a preemption, or the one it sampled last), capped by what
+        is left of `budget`. A sequence whose pending tokens already bring it to max_tokens
+        or max_model_len computes none: it finishes on them, and past max_model_len the model
+        has no positions. Live beams are planned together (`BeamSearch.plan`).
+
+        What a scheduled sequence's last position feeds: nothing (a chunk short of its end),
+        beam search (`beam_top_k`), or sampling, from the sequence itself (its cached row,
+        `_sample_row`) or, for an n > 1 prompt, from it and the samples forked off it here.
+        Each sequence sampled from gets a pending token.
+
+        Most calls are one sample's decode: a sequence with a cached row (sampled from
+        itself), one token to compute and a slot for it. That case is the same rule with
+        its answers read off the cache, without building a plan."""
         seqs = group.seqs
-        if len(seqs) == 1:  # most groups: one sequence, its slots allocated alone
+        if len(seqs) == 1:
             seq = seqs[0]
-            num_new = self._num_new(group, seq, budget)
-            if num_new:
-                if not self.block_manager.allocate_slots(seq, num_new):
+            cached = self._sample_rows.get(seq.seq_id)
+            start = seq.num_computed_tokens
+            known = len(seq.token_ids) + seq.num_pending_tokens
+            if (
+                cached is not None
+                and known - start == 1
+                and known < group.max_num_tokens
+                and not seq.spec_token_ids
+            ):
+                if not self.block_manager.allocate_slots(seq, 1):
                     return None
-                self._schedule_seq(group, seq, num_new, step)
-            return num_new
-        if group.beam is not None and group.num_unfinished_seqs > 1:
+                seq.num_computed_tokens = start + 1
+                seq.num_pending_tokens += 1
+                sample_seq_ids, entry = cached
+                step.decodes.append(
+                    ScheduledSequence(
+                        seq.seq_id, start, 1, seq.token_ids[start : start + 1], sample_seq_ids
+                    )
+                )
+                step.decode_entries.append(entry)
+                return 1
+        beam = group.beam
+        if beam is not None and group.num_unfinished_seqs > 1:
             plan = BeamSearch.plan(group, budget)
         else:
             plan = []
-            for seq in seqs:
-                num_new = self._num_new(group, seq, budget)
-                if num_new:
-                    plan.append((seq, num_new))
-                    budget -= num_new
-                elif not budget:
+            for seq in group.seqs:
+                if seq.is_finished:
+                    continue
+                pending = seq.num_pending_tokens
+                known = len(seq.token_ids) + pending
+                if pending and known >= group.max_num_tokens:
+                    continue
+                drafts = seq.spec_token_ids
+                if drafts and seq.num_computed_tokens != known - 1:
+                    drafts.clear()  # recomputed after a preemption: no draft this step
+                num_new = known + len(drafts) - seq.num_computed_tokens
+                if num_new > budget:
+                    num_new = budget
+                    del drafts[max(num_new - 1, 0) :]  # the budget cuts the draft first
+                if num_new == 0:
                     break
-        if not self._allocate(plan):
+                plan.append((seq, num_new))
+                budget -= num_new
+        if len(plan) == 1:  # most groups: one sequence
+            if not self.block_manager.allocate_slots(*plan[0]):
+                return None
+        elif not self._allocate(plan):
             return None
+
+        scheduled = 0
         for seq, num_new in plan:
-            self._schedule_seq(group, seq, num_new, step)
-        return sum(num_new for _, num_new in plan)
-
-    @staticmethod
-    def _num_new(group: SequenceGroup, seq: Sequence, budget: int) -> int:
-        """The one rule, for prompts and decodes alike: the tokens `seq` still needs
-        (`num_uncomputed_tokens`: the rest of its prompt, all its tokens again after a
-        preemption, or the one it sampled last; then its draft), capped by `budget`, which
-        cuts the draft first. None for a finished sequence, or one whose pending tokens
-        already bring it to max_tokens or max_model_len: it finishes on them, and past
-        max_model_len the model has no positions. A sequence recomputed after a preemption
-        verifies no draft."""
-        if seq.is_finished:
-            return 0
-        pending = seq.num_pending_tokens
-        known = len(seq.token_ids) + pending
-        if pending and known >= group.max_num_tokens:
-            return 0
-        drafts = seq.spec_token_ids
-        if drafts and seq.num_computed_tokens != known - 1:
-            drafts.clear()
-        num_new = known + len(drafts) - seq.num_computed_tokens
-        if num_new > budget:
-            num_new = budget
-            del drafts[max(num_new - 1, 0) :]
-        return num_new
-
-    def _schedule_seq(
-        self, group: SequenceGroup, seq: Sequence, num_new: int, step: _StepBuilder
-    ) -> None:
-        """Adds `num_new` tokens of `seq` (their slots allocated) to the step and advances it
-        past them. What its last position feeds: nothing (a chunk short of its end), beam
-        search (`beam_top_k`), or sampling (`_sample_row`), each sequence sampled from getting
-        a pending token. One query token, or a draft (verified as decodes, input_batch), is a
-        decode; more are a prefill."""
-        start = seq.num_computed_tokens
-        end = seq.num_computed_tokens = start + num_new
-        input_token_ids = seq.token_ids[start:end]
-        num_drafts = len(seq.spec_token_ids)
-        if num_drafts:  # a sampled sequence's last token, then its draft
-            input_token_ids += seq.spec_token_ids
-            step.num_draft_tokens += num_drafts
-        beam = group.beam
-        beam_top_k = 0
-        if end < len(seq.token_ids) + seq.num_pending_tokens:
-            row = SampleRow((), CoreEntry(group, seq, ()))
-            if beam is not None and end == len(group.prompt_token_ids):
-                self.beam_search.share_prompt(group, seq)
-        elif beam is not None:
-            row = SampleRow((), CoreEntry(group, seq, ()))
-            beam_top_k = beam.candidates_needed
-            if group.beam_grammar is not None:
-                self.beam_search.announce(seq, group.beam_grammar)
-        else:
-            row = self._sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
-            for sampled in row.entry.sampled:
-                sampled.num_pending_tokens += 1
-        span = (
-            self._prompt_logprobs_span(group, start, num_new)
-            if group.wants_prompt_logprobs
-            else None
-        )
-        item = ScheduledSequence(
-            seq.seq_id, start, num_new, input_token_ids, row.sample_seq_ids, beam_top_k, span,
-            num_drafts,
-        )  # fmt: skip
-        if num_new == 1 or num_drafts:
-            step.decodes.append(item)
-            step.decode_entries.append(row.entry)
-        else:
-            step.prefills.append(item)
-            step.prefill_entries.append(row.entry)
-
-    def _sample_row(self, group: SequenceGroup, seq: Sequence) -> SampleRow:
-        """The row of `seq` (of a sampling request) the first time it is sampled from: its
-        own (`_keep_row`), or, for an n > 1 prompt, one sampling the children forked off it
-        here too (each kept with its own row: the steps after sample each from itself)."""
-        row = self._keep_row(group, seq)
-        if len(group.seqs) == group.num_sequences:
-            return row
-        sampled = (seq, *self._fork(group, seq))  # at the prompt's end, as seq now is
-        for child in sampled[1:]:
-            self._keep_row(group, child)
-        return SampleRow(tuple(s.seq_id for s in sampled), CoreEntry(group, seq, sampled))
-
-    def _keep_row(self, group: SequenceGroup, seq: Sequence) -> SampleRow:
-        """`seq`'s row sampled from itself, announced to the worker (`NewSampledSequence`)
-        and kept for every step until it finishes, so a steady decode allocates no row."""
-        row = self._sample_rows[seq.seq_id] = SampleRow(
-            (seq.seq_id,), CoreEntry(group, seq, (seq,))
-        )
-        self._new_sampled.append(
-            NewSampledSequence(
-                seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
-                list(group.stop_token_ids),
+            start = seq.num_computed_tokens
+            end = start + num_new
+            scheduled += num_new
+            beam_top_k = 0
+            shares_prompt = False
+            input_token_ids = seq.token_ids[start:end]
+            num_drafts = len(seq.spec_token_ids)
+            if num_drafts:  # a sampled sequence's last token, then its draft
+                input_token_ids += seq.spec_token_ids
+                step.num_draft_tokens += num_drafts
+            row: SampleRow
+            if end < len(seq.token_ids) + seq.num_pending_tokens:
+                # A chunk short of the sequence's end: nothing is sampled from it.
+                row = (), (group, seq, ())
+                shares_prompt = beam is not None and end == len(group.prompt_token_ids)
+            elif beam is not None:
+                row = (), (group, seq, ())
+                beam_top_k = beam.candidates_needed
+                if group.beam_grammar is not None:
+                    self.beam_search.announce(seq, group.beam_grammar)
+            elif len(group.seqs) < group.num_sequences:  # group.needs_fork, inline
+                self._sample_row(group, seq)
+                children = self._fork(group, seq)
+                for child in children:  # the prompt this step completes is theirs too
+                    child.num_computed_tokens = end
+                    self._sample_row(group, child)
+                sampled = (seq, *children)
+                row = tuple(s.seq_id for s in sampled), (group, seq, sampled)
+            else:
+                row = self._sample_rows.get(seq.seq_id) or self._sample_row(group, seq)
+            sample_ids, entry = row
+            seq.num_computed_tokens = end
+            for sampled_seq in entry[2]:  # the sequences sampled from it
+                sampled_seq.num_pending_tokens += 1
+            span = (
+                self._prompt_logprobs_span(group, start, num_new)
+                if group.wants_prompt_logprobs
+                else None
             )
-        )  # fmt: skip
-        return row
+            item = ScheduledSequence(
+                seq.seq_id, start, num_new, input_token_ids, sample_ids, beam_top_k, span,
+                num_drafts,
+            )  # fmt: skip
+            if num_new == 1 or num_drafts:  # a draft is verified as decodes (input_batch)
+                step.decodes.append(item)
+                step.decode_entries.append(entry)
+            else:
+                step.prefills.append(item)
+                step.prefill_entries.append(entry)
+            if shares_prompt:
+                self.beam_search.share_prompt(group, seq)
+        return scheduled
 
     def _allocate(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Allocates the slots of every planned sequence, or of none (False). The check may
@@ -542,15 +549,19 @@ class Scheduler:
     def _update_sampled(
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float
     ) -> None:
-        """Appends each sampled sequence's tokens (`_append_sampled`) and gathers what each
-        request gained.
+        """Appends each sampled row's token to its sequence and applies the stop rules.
 
-        Rows come in the order of the step's scheduled sequences and their samples, a row per
-        sequence and one per draft token besides; a row that names another sequence is a
-        broken contract (AssertionError). One loop does everything per row: this runs for
-        every token of every request."""
-        seq_ids = result.sampled_seq_ids
-        logprobs = result.sampled.logprobs
+        Rows come in the order of the step's scheduled sequences and their samples; each row
+        names its sequence and a row that names another is a broken contract
+        (AssertionError). A sequence that computed a draft has a row per draft position
+        (`_keep_drafted`). One loop does everything per row: this runs for every token of
+        every request."""
+        seq_ids, sampled = result.sampled_seq_ids, result.sampled
+        token_ids, logprobs, top_logprobs = (
+            sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        )  # fmt: skip
+        check_stop = self.stop_checker.check
+        grammar_ended, grammar_failed = result.grammar.ended, result.grammar.failed
         outputs, finished = update.outputs, update.finished
         # Groups with several samples gather their deltas here (first: their first tokens).
         gathered: dict[int, tuple[SequenceGroup, list[SampleDelta], bool]] = {}
@@ -562,9 +573,12 @@ class Scheduler:
             for seq in sample_seqs:
                 if seq_ids[row] != seq.seq_id:
                     raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
+                drafts = seq.spec_token_ids
+                token_id, logprob, top = token_ids[row], logprobs[row], top_logprobs[row]
                 first_row = row
-                num_rows = 1 + len(seq.spec_token_ids)
-                row += num_rows
+                row += 1
+                if drafts:  # a row per draft token besides
+                    row += len(drafts)
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # a token sampled past a stop, an abort or a failure
                     seq.spec_token_ids = []
@@ -573,23 +587,46 @@ class Scheduler:
                 if first:
                     group.first_token_time = now
                 try:
-                    new_token_ids, tops, finish_reason = self._append_sampled(
-                        group, seq, first_row, result
-                    )
+                    if drafts:
+                        new_token_ids, tops, finish_reason = self._keep_drafted(
+                            group, seq, first_row, result
+                        )
+                        num_tokens += len(new_token_ids) - 1 - len(drafts)
+                    else:
+                        tokens = seq.token_ids
+                        tokens.append(token_id)
+                        if grammar_failed and seq.seq_id in grammar_failed:
+                            raise ValueError(
+                                f"structured outputs: no token the grammar allows was left "
+                                f"(token {token_id}: {grammar_failed[seq.seq_id]})"
+                            )
+                        if logprob is not None:
+                            seq.cumulative_logprob += logprob
+                        finish_reason = None
+                        ended = bool(grammar_ended) and seq.seq_id in grammar_ended
+                        if (
+                            ended
+                            or token_id in group.stop_token_ids
+                            or len(tokens) >= group.max_num_tokens
+                        ):
+                            decision = check_stop(seq, group, ended)
+                            if decision is not None:
+                                self._stop(seq, decision.finish_reason, decision.stop_reason)
+                                finish_reason = decision.finish_reason
+                        new_token_ids = [token_id]
+                        tops = None if top is None else [top]
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                     self.fail(group, exc)
                     finished.append(group)
                     outputs.append(final_output(group, []))
                     gathered.pop(id(group), None)
                     continue  # its other rows still count (their sequences are finished)
-                num_tokens += len(new_token_ids) - num_rows
                 if group.final_only:  # a sample's finish carries all its tokens, nothing else
                     if finish_reason is None:
                         continue
                     new_token_ids = seq.output_token_ids
                 delta = SampleDelta(
-                    seq.index, new_token_ids,
-                    None if logprobs[first_row] is None else seq.cumulative_logprob,
+                    seq.index, new_token_ids, None if logprob is None else seq.cumulative_logprob,
                     tops, finish_reason, seq.stop_reason,
                 )  # fmt: skip
                 if len(group.seqs) == 1:  # one sample: its output is complete
@@ -599,10 +636,10 @@ class Scheduler:
                     else:
                         outputs.append(progress_output(group, [delta], first))
                     continue
-                entry = gathered.get(id(group))
-                if entry is None:
-                    entry = gathered[id(group)] = (group, [], first)
-                entry[1].append(delta)
+                gathering = gathered.get(id(group))
+                if gathering is None:
+                    gathering = gathered[id(group)] = (group, [], first)
+                gathering[1].append(delta)
         if row != len(seq_ids):
             raise AssertionError(f"{len(seq_ids)} rows for {row} sampled sequences")
         self.num_generation_tokens += num_tokens
@@ -613,64 +650,23 @@ class Scheduler:
             else:
                 outputs.append(progress_output(group, deltas, first))
 
-    def _append_sampled(
+    def _keep_drafted(
         self, group: SequenceGroup, seq: Sequence, row: int, result: ModelRunnerOutput
     ) -> tuple[list[int], list[dict[int, float]] | None, str | None]:
-        """Appends the tokens sequence `seq` keeps from its rows, from `row` on, and applies
-        the stop rules to each. A sequence without a draft keeps its one row's token. One
-        that computed a draft (speculative decoding) has a row per draft position besides:
-        row i is the model's token after the draft's first i tokens, and it keeps the rows'
-        tokens up to the first whose draft token the model did not choose, that row's own
-        token included (a step gains at least one token); the cache keeps the positions of
-        the kept inputs. A stop rule ends the tokens kept. Returns the tokens kept, their top
-        logprobs (None when not asked for) and the finish reason."""
-        sampled, grammar = result.sampled, result.grammar
+        """Applies the rows of a sequence that computed its draft (speculative decoding):
+        row i is the model's token after the draft's first i tokens. The sequence keeps the
+        rows' tokens up to the first whose draft token the model did not choose, that row's
+        own token included (the first row's always: a step gains at least one token),
+        stopping at a stop rule; the cache keeps the positions of the kept inputs. Returns
+        the tokens kept, their top logprobs (None when not asked for) and the finish
+        reason."""
+        sampled = result.sampled
         drafts = seq.spec_token_ids
-        num_kept = 1
-        if drafts:
-            seq.spec_token_ids = []
-            num_kept += self._accept_drafted(seq, drafts, row, result)
-        tokens = seq.token_ids
-        new_token_ids = sampled.token_ids[row : row + num_kept]
-        finish_reason = None
-        for r in range(row, row + num_kept):
-            token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
-            tokens.append(token_id)
-            if grammar.failed and seq.seq_id in grammar.failed:
-                raise ValueError(
-                    f"structured outputs: no token the grammar allows was left "
-                    f"(token {token_id}: {grammar.failed[seq.seq_id]})"
-                )
-            if logprob is not None:
-                seq.cumulative_logprob += logprob
-            ended = bool(grammar.ended) and seq.seq_id in grammar.ended
-            if ended or token_id in group.stop_token_ids or len(tokens) >= group.max_num_tokens:
-                decision = self.stop_checker.check(seq, group, ended)
-                if decision is not None:
-                    self._stop(seq, decision.finish_reason, decision.stop_reason)
-                    finish_reason = decision.finish_reason
-                    del new_token_ids[r - row + 1 :]
-                    break
-        if drafts:
-            seq.num_computed_tokens = len(tokens) - 1  # its last token's K/V: next step
-        tops = sampled.top_logprobs
-        if tops[row] is None:  # a request's rows all have top logprobs, or none has
-            return new_token_ids, None, finish_reason
-        return (
-            new_token_ids,
-            cast(list[dict[int, float]], tops[row : row + len(new_token_ids)]),
-            finish_reason,
-        )
-
-    def _accept_drafted(
-        self, seq: Sequence, drafts: list[int], row: int, result: ModelRunnerOutput
-    ) -> int:
-        """How many of `drafts` the model chose (its rows from `row` on: the first row's token
-        after none of them), counted in the acceptance statistics."""
+        seq.spec_token_ids = []
         count = len(drafts) + 1
         if result.sampled_seq_ids[row : row + count] != [seq.seq_id] * count:
             raise AssertionError(f"rows {row}..{row + count - 1} are not sequence {seq.seq_id}")
-        chosen = result.sampled.token_ids[row : row + count]
+        chosen = sampled.token_ids[row : row + count]
         accepted = 0
         while accepted < len(drafts) and chosen[accepted] == drafts[accepted]:
             accepted += 1
@@ -681,7 +677,26 @@ class Scheduler:
             per_pos += [0] * (accepted - len(per_pos))
         for position in range(accepted):
             per_pos[position] += 1
-        return accepted
+        new_token_ids: list[int] = []
+        tops: list[dict[int, float]] = []
+        finish_reason = None
+        for r in range(row, row + accepted + 1):
+            token_id, logprob = sampled.token_ids[r], sampled.logprobs[r]
+            seq.token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            top = sampled.top_logprobs[r]
+            if top is not None:
+                tops.append(top)
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
+            if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
+                decision = self.stop_checker.check(seq, group, False)
+                if decision is not None:
+                    self._stop(seq, decision.finish_reason, decision.stop_reason)
+                    finish_reason = decision.finish_reason
+                    break
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # its last token's K/V: next step
+        return new_token_ids, tops or None, finish_reason
 
     def _update_beams(
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float

@@ -104,14 +104,14 @@ def test_drafted_samples_have_the_plain_distribution(plain_runs):
 def test_keeping_every_draft_is_caught(plain_runs, monkeypatch):
     first, second = plain_runs
     spread = distance(first, second)
-    append_sampled = Scheduler._append_sampled
+    keep_drafted = Scheduler._keep_drafted
 
     def keeps_every_draft(self, group, seq, row, result):
         # The mutation: the worker's rows say the model chose every draft token.
         tokens = result.sampled.token_ids
         for offset, draft in enumerate(seq.spec_token_ids):
             tokens[row + offset] = draft
-        return append_sampled(self, group, seq, row, result)
+        return keep_drafted(self, group, seq, row, result)
 
-    monkeypatch.setattr(Scheduler, "_append_sampled", keeps_every_draft)
+    monkeypatch.setattr(Scheduler, "_keep_drafted", keeps_every_draft)
     assert distance(pairs(generate(2, drafts=True)), first) > 3 * spread + 0.05
