@@ -24,8 +24,8 @@ QUANTIZATIONS = ("int8",)
 # The default prefill_interval where decode steps replay CUDA graphs: the interval measured
 # against admitting every step (docs/benchmarks/history.md, "prefill interval").
 GRAPH_PREFILL_INTERVAL = 8
-# A CPU KV cache of this size holds tens of thousands of tokens even for GPT-2 xl: the
-# cache is allocated with torch.empty, so pages nobody touches cost no RAM.
+# A CPU KV cache of this size holds tens of thousands of tokens even for GPT-2 xl. It is
+# zeroed at startup (ModelRunner), so all of it is resident from then on.
 DEFAULT_CPU_KV_CACHE_GB = 2.0
 
 
@@ -150,8 +150,9 @@ class EngineConfig:
     async_scheduling: bool | None = field(
         default=None,
         metadata={"help": "schedule each step while the previous one runs; its tokens reach "
-                  "the next step on the device and the host one step later (off for beam "
-                  "search and penalties, which need every token first). Default: on CUDA, "
+                  "the next step on the device and the host one step later (off while a request "
+                  "runs that needs every token first: beam search, bad words, prompt "
+                  "logprobs, structured outputs, speculation). Default: on CUDA, "
                   "where it was measured faster, and off on CPU, where the forward leaves "
                   "nothing to overlap"},
     )  # fmt: skip

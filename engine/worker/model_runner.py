@@ -215,7 +215,7 @@ class ModelRunner:
         if self._copied is not None:
             self._copied.synchronize()
         if output.blocks_to_copy:
-            # Before any store_kv of this step: a copy must see the block as it was.
+            # Before the step stores any K/V: a copy must see the block as it was.
             pairs = np.array(output.blocks_to_copy, dtype=np.int64)
             self.backend.copy_blocks(self.kv_cache, self._to_device("copies", pairs))
         batch = self.input_batch.prepare(output)
