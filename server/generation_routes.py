@@ -5,15 +5,13 @@ FastAPI routes; this module answers them.
 Through FastAPI, every request of these routes would pass its exception middleware, its
 exit-stack middleware, the router's match against every route, the route's own exception
 wrapper and dependency solving before its handler ran: more than the handler itself costs
-on a short request. The end-to-end figure that keeps this middleware is in
-docs/benchmarks/history.md, "The generating routes skip FastAPI's request handling": a
-served burst of unstreamed requests reached 71-73% of offline throughput against 63-66%
-through FastAPI (227-238 us of API CPU a request against 338-365; streamed ones did not
-change). Here the body is parsed and validated as FastAPI does it (`json`, then the
-request model) and handed straight to the route's handler; errors take the OpenAI shapes
-that the app's exception handlers give the other routes. The guards in front of the app
-(Host check, body size limit) still apply: this middleware sits inside them. FastAPI still
-documents the routes (`GenerationRoute.openapi_route`).
+on a short request (the served figure that keeps this middleware: docs/benchmarks/history.md,
+"The generating routes skip FastAPI's request handling"). Here the body is parsed and
+validated as FastAPI does it (`json`, then the request model) and handed straight to the
+route's handler; errors take the OpenAI shapes that the app's exception handlers give the
+other routes. The guards in front of the app (Host check, body size limit) still apply:
+this middleware sits inside them. FastAPI still documents the routes
+(`GenerationRoute.openapi_route`).
 """
 
 from __future__ import annotations
