@@ -25,6 +25,10 @@ class BeamSearch:
     beam_width become hypotheses, the best others continue. A continuing beam whose parent
     is another beam is a BlockManager fork of the parent (tables copied, nothing moved);
     parents nobody continues are freed. A beam_width of 1 is greedy decoding, as in HF.
+
+    For the scheduler it also plans the live beams' tokens of a step (`plan`, with a
+    recomputed prompt shared: `share_prompt`) and keeps which beams of constrained searches
+    the worker holds a grammar state of (`announce`, `follow`, `forget`).
     """
 
     def __init__(self, block_manager: BlockManager, new_seq_id: Callable[[], int]):
