@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.attention.backend import AttentionBackend
+from octavo.engine.worker.model_runner import allocate_kv_cache
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.step_inputs import StepInputs, on_device
 
 NULL_BLOCK = 0  # never handed out: padding for block-table rows
 
@@ -71,18 +73,13 @@ class DraftModelProposer:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        config = model.config
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
-        self.max_positions = config.n_positions
+        self.max_positions = model.config.n_positions
         self.device = device
-        self.kv_cache = torch.zeros(
-            (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
         self.num_blocks = num_blocks
         self._free_blocks = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self._seqs: dict[int, _DraftSequence] = {}
@@ -164,41 +161,23 @@ class DraftModelProposer:
         backends expect), stores their K/V, and returns each row's greedy next token."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids) != 1)
         ordered = [rows[i] for i in order]
-        query_lens = np.array([len(row.input_ids) for row in ordered], dtype=np.int32)
-        context_lens = np.array([len(row.state.cached) for row in ordered], dtype=np.int32)
-        seq_lens = context_lens + query_lens
         width = max(len(row.state.blocks) for row in ordered)
-        tables = np.full((len(ordered), width), NULL_BLOCK, dtype=np.int32)
+        table = np.full((len(ordered), width), NULL_BLOCK, dtype=np.int32)
         for r, row in enumerate(ordered):
-            tables[r, : len(row.state.blocks)] = row.state.blocks
-        positions = np.concatenate(
-            [np.arange(c, s, dtype=np.int64) for c, s in zip(context_lens, seq_lens, strict=True)]
-        )
-        seq_of_token = np.repeat(np.arange(len(ordered)), query_lens)
-        block_ids = tables[seq_of_token, positions // self.block_size].astype(np.int64)
-        slots = block_ids * self.block_size + positions % self.block_size
-        cu_seqlens_q = np.zeros(len(ordered) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu_seqlens_q[1:])
-        input_ids = np.concatenate([np.array(row.input_ids, dtype=np.int64) for row in ordered])
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            block_tables=self._to_device(tables),
-            seq_lens=self._to_device(seq_lens),
-            cu_seqlens_q=self._to_device(cu_seqlens_q),
-            max_seqlen_q=int(query_lens.max()),
-            max_seqlen_k=int(seq_lens.max()),
-            block_size=self.block_size,
-            seq_lens_host=seq_lens.tolist(),
-            query_lens_host=query_lens.tolist(),
-            num_decodes=int((query_lens == 1).sum()),
-        )
+            table[r, : len(row.state.blocks)] = row.state.blocks
+        inputs = StepInputs.build(
+            np.concatenate([np.array(row.input_ids, dtype=np.int64) for row in ordered]),
+            np.array([len(row.state.cached) for row in ordered], dtype=np.int32),
+            np.array([len(row.input_ids) for row in ordered], dtype=np.int32),
+            table, np.arange(len(ordered)), self.block_size,
+        )  # fmt: skip
         hidden = self.model(
-            self._to_device(input_ids),
-            self._to_device(positions),
+            on_device(inputs.input_ids, self.device),
+            on_device(inputs.positions, self.device),
             self.kv_cache,
-            self.backend.prepare(metadata),
+            self.backend.prepare(inputs.attention_metadata(self.device, self.block_size)),
         )
-        last = self._to_device(cu_seqlens_q[1:].astype(np.int64) - 1)
+        last = on_device(inputs.cu_seqlens_q[1:].astype(np.int64) - 1, self.device)
         tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         for row in ordered:
             row.state.cached += row.input_ids
@@ -206,6 +185,3 @@ class DraftModelProposer:
         for r, i in enumerate(order):
             next_tokens[i] = tokens[r]
         return next_tokens
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

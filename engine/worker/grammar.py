@@ -11,6 +11,7 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from octavo.engine.structured_outputs import COMPILED_GRAMMAR_CACHE_SIZE
+from octavo.engine.worker.step_inputs import on_device
 
 # llguidance packs a mask as 32 allowed-token bits per int32 word.
 BITS_PER_WORD = 32
@@ -94,11 +95,10 @@ class GrammarMatchers:
 def _apply_on_device(
     logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray, vocab: int
 ) -> None:
-    """The masks unpacked on the device: a 32x smaller copy (pinned, so it waits for
-    nothing)."""
+    """The masks unpacked on the device: a 32x smaller copy."""
     device = logits.device
-    packed = torch.from_numpy(bitmask).pin_memory().to(device, non_blocking=True)
-    index = torch.from_numpy(rows.astype(np.int64)).pin_memory().to(device, non_blocking=True)
+    packed = on_device(bitmask, device)
+    index = on_device(rows.astype(np.int64), device)
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
     allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     if len(rows) == logits.shape[0]:

@@ -14,46 +14,31 @@ from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.penalties import PenaltyCounts
 from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
 from octavo.engine.worker.sampling_state import SamplingState
+from octavo.engine.worker.step_inputs import StepInputs, count_leading_decodes, token_layout
 
 
-@dataclass
-class HostBatch:
-    """One step's model inputs on the host, sequences in scheduled order (decodes first).
+@dataclass(kw_only=True)
+class HostBatch(StepInputs):
+    """One step's model inputs on the host (StepInputs: sequences in scheduled order, decodes
+    first) and what the runner does with its hidden states.
 
-    Token arrays ([T]): input_ids, positions, slot_mapping. Sequence arrays ([S]): seq_lens
-    (tokens in the cache after the step), query_lens; cu_seqlens_q [S + 1]; block_tables
-    [S, max blocks of the step] (unused entries hold stale or null ids: kernels never read
-    past seq_len). `logits_rows` are the token indices whose logits are needed: first one per
-    sampling row (`sampling`, `sampled_seq_ids`), then one per beam row (`beam_seq_ids`).
-    `pending_rows` are the token indices whose input token the host does not know yet (async
-    scheduling: sampled by the previous step, of sequences `pending_seq_ids`); input_ids holds
-    0 there until the runner fills them in on the device.
+    `logits_rows` are the token indices whose logits are needed: first one per sampling row
+    (`sampling`, `sampled_seq_ids`), then one per beam row (`beam_seq_ids`). `pending_rows`
+    are the token indices whose input token the host does not know yet (async scheduling:
+    sampled by the previous step, of sequences `pending_seq_ids`); input_ids holds 0 there
+    until the runner fills them in on the device.
     """
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    seq_lens: np.ndarray
-    query_lens: np.ndarray
-    cu_seqlens_q: np.ndarray
-    block_tables: np.ndarray
     logits_rows: np.ndarray
     sampling: SamplingBatch
     sampled_seq_ids: list[int]
     beam_seq_ids: list[int]
     beam_top_k: int  # candidates per beam row: the most any beam group of the step needs
-    num_decodes: int  # leading sequences with one query token
     pending_rows: np.ndarray
     pending_seq_ids: list[int]
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
     # Each token's LoRA adapter (0: the base); None when no sequence has one.
     token_lora_ids: np.ndarray | None = None
-    # Several decodes are positions of one sequence (a draft verified position by position).
-    decodes_share_sequences: bool = False
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
 
     @property
     def is_uniform_decode(self) -> bool:
@@ -229,18 +214,15 @@ class InputBatch:
         scheduled = output.scheduled
         if output.num_draft_tokens:
             scheduled = self._verified_positions(scheduled)
-        table, row_of = self.block_table, self._row_of
-        num_seqs = len(scheduled)
+        row_of = self._row_of
         rows = np.array([row_of[item.seq_id] for item in scheduled], dtype=np.int64)
         query_lens = np.array([item.num_new_tokens for item in scheduled], dtype=np.int32)
         context_lens = np.array([item.start for item in scheduled], dtype=np.int32)
-        seq_lens = context_lens + query_lens
-        cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu_seqlens_q[1:])
-        num_tokens = int(cu_seqlens_q[-1])
-        num_decodes = num_seqs  # the leading run of one-token sequences
-        if num_tokens != num_seqs:
-            num_decodes = int(np.argmax(query_lens != 1))
+        positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables = token_layout(
+            context_lens, query_lens, self.block_table, rows, self.block_size
+        )
+        num_seqs, num_tokens = len(scheduled), len(positions)
+        num_decodes = count_leading_decodes(query_lens, num_tokens)
         # A decode's input token, or PENDING when the previous step sampled it and it is
         # still on the device; every other sequence's chunk of tokens.
         input_ids = np.array(
@@ -255,20 +237,6 @@ class InputBatch:
         pending_rows = np.flatnonzero(input_ids[:num_decodes] == _PENDING)
         if len(pending_rows):
             input_ids[pending_rows] = 0  # the runner fills them in on the device
-        if num_tokens == num_seqs:  # decodes only: a token per sequence
-            positions = context_lens.astype(np.int64)
-            token_rows = rows
-        else:
-            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-            offsets = np.arange(num_tokens) - cu_seqlens_q[:-1][seq_of_token]
-            positions = context_lens[seq_of_token].astype(np.int64) + offsets
-            token_rows = rows[seq_of_token]
-        # block_size is a power of two: shifts and masks, not (slow) int64 division.
-        bs = self.block_size
-        shift = bs.bit_length() - 1
-        blocks = table[token_rows, positions >> shift].astype(np.int64)
-        slot_mapping = (blocks << shift) | (positions & (bs - 1))
-        width = -(-int(seq_lens.max()) // bs) if num_seqs else 0
 
         # Logits rows: each sequence's last token, once per sample it feeds, then once per
         # beam row.
@@ -291,7 +259,7 @@ class InputBatch:
             seq_lens=seq_lens,
             query_lens=query_lens,
             cu_seqlens_q=cu_seqlens_q,
-            block_tables=table[rows, :width],
+            block_tables=block_tables,
             logits_rows=logits_rows,
             sampling=self.sampling_columns.gather(requests),
             sampled_seq_ids=sampled_seq_ids,
@@ -301,7 +269,9 @@ class InputBatch:
             pending_rows=pending_rows.astype(np.int64),
             pending_seq_ids=[scheduled[k].seq_id for k in pending_rows.tolist()],
             prompt_logprobs=self._prompt_logprobs(output, cu_seqlens_q),
-            token_lora_ids=self.row_lora[token_rows] if self._serves_adapters else None,
+            token_lora_ids=(
+                np.repeat(self.row_lora[rows], query_lens) if self._serves_adapters else None
+            ),
             decodes_share_sequences=bool(output.num_draft_tokens),
         )
 

@@ -17,16 +17,17 @@ from octavo.engine.step_io import (
     SamplerOutput,
     SchedulerOutput,
 )
-from octavo.engine.worker.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.cuda_graphs import DecodeGraphs
 from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher, CUDAGraphMode
 from octavo.engine.worker.fused_decode import FusedDecode
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.lora import LoRAManager
-from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
+from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
 from octavo.engine.worker.sampler import SampledTokens, Sampler
+from octavo.engine.worker.step_inputs import StepInputs, on_device
 
 # Prompt logprobs are reduced this many positions at a time (a pass holds [rows, vocab]
 # float32 logits twice: 100 MB for GPT-2's vocabulary).
@@ -146,26 +147,13 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_seqs, max_model_len, block_size, config.vocab_size, device, grammars
         )
-        # Zeroed, so resident from the start (as vLLM's): the process holds the memory its
-        # cache was sized to from startup on. torch.empty's pages would be committed only
-        # when first written, and the prefix cache keeps every block it filled until the
-        # free ones run out: the process grew by a block for each block of new content
-        # until the whole cache was in memory.
-        self.kv_cache = torch.zeros(
-            (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
         # Eager until capture_cuda_graphs (CUDA) or use_fused_decode (CPU).
         self.dispatcher = CudagraphDispatcher()
         # The previous step's sampled tokens (device) and the sequence of each row.
         self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
         # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
         self._leading_rows = torch.arange(max_num_seqs, device=device)
-        self._pinned: dict[str, torch.Tensor] = {}  # CUDA: staging buffer per input kind
-        # Recorded after a step's copies: the next step waits on it before refilling the
-        # pinned buffers, which a copy still in flight may be reading.
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -212,12 +200,10 @@ class ModelRunner:
         """Launches one step; its results are read on the host when asked for (on CUDA the
         host goes on while the device works). A decode whose input token the previous step
         sampled takes it from that step's device tensor: no host round trip."""
-        if self._copied is not None:
-            self._copied.synchronize()
         if output.blocks_to_copy:
             # Before the step stores any K/V: a copy must see the block as it was.
             pairs = np.array(output.blocks_to_copy, dtype=np.int64)
-            self.backend.copy_blocks(self.kv_cache, self._to_device("copies", pairs))
+            self.backend.copy_blocks(self.kv_cache, on_device(pairs, self.device))
         batch = self.input_batch.prepare(output)
         uniform_decode = batch.is_uniform_decode
         hidden = self._forward(batch, self._pending_inputs(batch), uniform_decode)
@@ -226,7 +212,7 @@ class ModelRunner:
             self._last_sampled = None
             return StepFuture([], None, [], None, prompt_logprobs)
         if not uniform_decode:  # a uniform decode's rows are its logits rows, in order
-            hidden = hidden[self._to_device("logits_rows", batch.logits_rows)]
+            hidden = hidden[on_device(batch.logits_rows, self.device)]
         logits = self.model.compute_logits(hidden)
         num_sampled = len(batch.sampling)
         sampled = None
@@ -292,8 +278,8 @@ class ModelRunner:
         row_of = {seq_id: row for row, seq_id in enumerate(seq_ids)}
         sources = np.array([row_of[s] for s in batch.pending_seq_ids], dtype=np.int64)
         return PendingInputs(
-            self._to_device("pending_rows", batch.pending_rows),
-            tokens[self._to_device("pending_sources", sources)],
+            on_device(batch.pending_rows, self.device),
+            tokens[on_device(sources, self.device)],
         )
 
     def _forward(
@@ -308,45 +294,32 @@ class ModelRunner:
         if mode is CUDAGraphMode.FULL:
             assert self.dispatcher.full is not None
             return self.dispatcher.full.run(batch, pending)
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device("slot_mapping", batch.slot_mapping),
-            block_tables=self._to_device("block_tables", batch.block_tables),
-            seq_lens=self._to_device("seq_lens", batch.seq_lens),
-            cu_seqlens_q=self._to_device("cu_seqlens_q", batch.cu_seqlens_q),
-            max_seqlen_q=int(batch.query_lens.max()),
-            max_seqlen_k=int(batch.seq_lens.max()),
-            block_size=self.block_size,
-            seq_lens_host=batch.seq_lens.tolist(),
-            query_lens_host=batch.query_lens.tolist(),
-            num_decodes=batch.num_decodes,
-            decodes_share_sequences=batch.decodes_share_sequences,
-        )
-        input_ids = self._to_device("input_ids", batch.input_ids)
+        metadata = batch.attention_metadata(self.device, self.block_size)
+        input_ids = on_device(batch.input_ids, self.device)
         if pending is not None:
             input_ids = input_ids.index_copy(0, pending.rows, pending.tokens)
-        positions = self._to_device("positions", batch.positions)
+        positions = on_device(batch.positions, self.device)
         metadata = self.backend.prepare(metadata)
         if mode is CUDAGraphMode.PIECEWISE:
             assert self.dispatcher.piecewise is not None
             return self.dispatcher.piecewise.forward(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_cache, metadata)
 
-    def _to_device(self, kind: str, array: np.ndarray) -> torch.Tensor:
-        """The array as a tensor on the runner's device: shared memory on CPU; on CUDA one
-        non-blocking copy from this kind's pinned staging buffer."""
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return host
-        staging = self._pinned.get(kind)
-        if staging is None or staging.numel() < host.numel() or staging.dtype != host.dtype:
-            staging = torch.empty(max(host.numel(), 1), dtype=host.dtype, pin_memory=True)
-            self._pinned[kind] = staging
-        staged = staging[: host.numel()].view(host.shape)
-        staged.copy_(host)
-        on_device = staged.to(self.device, non_blocking=True)
-        assert self._copied is not None
-        self._copied.record()
-        return on_device
+
+def allocate_kv_cache(
+    config: GPT2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The model's paged K/V cache, [n_layer, 2, num_blocks, block_size, num_kv_heads,
+    head_dim], zeroed: so resident from the start (as vLLM's), the process holding the memory
+    its cache was sized to from startup on. torch.empty's pages would be committed only when
+    first written, and the prefix cache keeps every block it filled until the free ones run
+    out: the process grew by a block for each block of new content until the whole cache was
+    in memory."""
+    return torch.zeros(
+        (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+        dtype=dtype,
+        device=device,
+    )
 
 
 @torch.inference_mode()
@@ -361,48 +334,24 @@ def profile_activation_bytes(
     """Peak CUDA memory of the largest step beyond weights and KV cache: a prefill of
     max_num_batched_tokens tokens (as sequences of at most max_model_len) that samples
     max_num_seqs rows. The KV cache gets what is left after this."""
-    config = model.config
     device = model.wte.weight.device
-    lengths = [max_model_len] * (max_num_batched_tokens // max_model_len)
-    if max_num_batched_tokens % max_model_len:
-        lengths.append(max_num_batched_tokens % max_model_len)
-    tables, next_block = [], 1
-    for length in lengths:
-        count = -(-length // block_size)
-        tables.append(list(range(next_block, next_block + count)))
-        next_block += count
-    cache = torch.zeros(
-        (config.n_layer, 2, next_block, block_size, config.num_kv_heads, config.head_dim),
-        dtype=model.wte.weight.dtype,
-        device=device,
+    full, rest = divmod(max_num_batched_tokens, max_model_len)
+    lengths = np.array([max_model_len] * full + ([rest] if rest else []), dtype=np.int32)
+    width = -(-max_model_len // block_size)
+    table = 1 + np.arange(len(lengths) * width, dtype=np.int32).reshape(len(lengths), width)
+    cache = allocate_kv_cache(
+        model.config, 1 + table.size, block_size, model.wte.weight.dtype, device
     )
-    slots = [
-        t[p // block_size] * block_size + p % block_size
-        for t, n in zip(tables, lengths, strict=True)
-        for p in range(n)
-    ]
-    width = max(len(t) for t in tables)
-    cu = [0]
-    for length in lengths:
-        cu.append(cu[-1] + length)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        ),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        max_seqlen_q=max(lengths),
-        max_seqlen_k=max(lengths),
-        block_size=block_size,
-        seq_lens_host=lengths,
-        query_lens_host=lengths,
-    )
-    positions = torch.tensor([p for n in lengths for p in range(n)], device=device)
+    inputs = StepInputs.build(
+        np.zeros(max_num_batched_tokens, dtype=np.int64), np.zeros_like(lengths), lengths,
+        table, np.arange(len(lengths)), block_size,
+    )  # fmt: skip
+    metadata = backend.prepare(inputs.attention_metadata(device, block_size))
+    input_ids, positions = on_device(inputs.input_ids, device), on_device(inputs.positions, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(torch.zeros_like(positions), positions, cache, backend.prepare(metadata))
+    hidden = model(input_ids, positions, cache, metadata)
     rows = torch.arange(max_num_seqs, device=device) % hidden.shape[0]
     torch.log_softmax(model.compute_logits(hidden[rows]).float(), dim=-1)
     torch.cuda.synchronize(device)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from octavo.engine.worker.sampler import MAX_TEMPERABLE_LOGIT, on_device
+from octavo.engine.worker.sampler import MAX_TEMPERABLE_LOGIT
+from octavo.engine.worker.step_inputs import on_device
 
 
 class PenaltyCounts:

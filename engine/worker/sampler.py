@@ -12,6 +12,7 @@ from octavo.engine.step_io import SamplerOutput
 from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.sampling_batch import NO_LOGPROBS, SamplingBatch
 from octavo.engine.worker.sampling_state import SamplingState
+from octavo.engine.worker.step_inputs import on_device
 
 # The largest logit a bias or a penalty may leave. Divided by the least sampling temperature
 # it stays finite in float32; an inf there would meet another in the softmax as inf - inf,
@@ -200,20 +201,6 @@ class Sampler:
         for i in np.flatnonzero(seeded).tolist():
             noise[i].exponential_(generator=batch.states[rows[i]].generator)
         return argmax_rows(probs / noise)
-
-
-def on_device(
-    values: list | np.ndarray, device: torch.device, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """`values` as a tensor on `device`. On CUDA through pinned memory and a non-blocking
-    copy: `torch.tensor(values, device=cuda)` copies and then waits for the stream, that is
-    for the step in flight (torch's pinned-memory cache frees the buffer only after its copy
-    has run)."""
-    host = torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    # `torch.tensor(ndarray, pin_memory=True)` is refused, so numpy rows are pinned by copy.
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
