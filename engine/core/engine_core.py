@@ -1,4 +1,5 @@
-"""The engine core: model, KV cache, scheduler and sampler, stepping on token ids alone.
+"""The engine core: the scheduler and the worker it steps (engine/worker/worker.py), on
+token ids alone.
 
 It knows no text: requests arrive validated and tokenized (`InputProcessor`), and each step
 returns only what changed (`EngineCoreOutputs` of delta outputs), which the front end's
@@ -8,18 +9,9 @@ offline `LLMEngine`, in the `AsyncEngine`'s thread, or in its own process (`core
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
-import torch
-
-from octavo import kernels
-from octavo.engine.config import (
-    DEFAULT_CPU_KV_CACHE_GB,
-    EngineConfig,
-    cpu_computes_bfloat16,
-    cpu_computes_int8,
-)
+from octavo.engine.config import EngineConfig
 from octavo.engine.core.beam_state import BeamState
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.request_outputs import final_output, refused_output
@@ -40,37 +32,14 @@ from octavo.engine.sampling_params import BeamSearchParams
 from octavo.engine.speculative import SpeculativeConfig, can_speculate, propose_ngram
 from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.stop_rules import length_limit
-from octavo.engine.worker.attention.backend import AttentionBackend
-from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
-from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
-from octavo.engine.worker.draft_model import DraftModelProposer, DraftRequest
-from octavo.engine.worker.grammar import GrammarMatchers
-from octavo.engine.worker.lora import LoRAManager
-from octavo.engine.worker.model_runner import ModelRunner, StepFuture, profile_activation_bytes
-from octavo.engine.worker.models.configs import GPT2Config
-from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
-from octavo.engine.worker.models.model_files import tokenizer_file
-from octavo.engine.worker.models.weights import load_model
-from octavo.engine.worker.sampler import Sampler
-
-_GIB = 1 << 30
-logger = logging.getLogger(__name__)
-
-
-def make_backend(config: EngineConfig) -> AttentionBackend:
-    """The configured attention backend; triton on CPU needs the Triton interpreter."""
-    if config.backend_name == "torch":
-        return TorchAttentionBackend()
-    if config.torch_device.type != "cuda" and not kernels.interpreter_active():
-        raise ValueError(
-            "attention_backend='triton' needs CUDA, or on CPU the Triton "
-            "interpreter (TRITON_INTERPRET=1 set before the engine is imported)"
-        )
-    return TritonAttentionBackend()
+from octavo.engine.worker.draft_model import DraftRequest
+from octavo.engine.worker.model_runner import StepFuture
+from octavo.engine.worker.worker import load_worker
 
 
 class EngineCore:
-    """Owns model, KV cache, scheduler and sampler; `step()` advances every running request.
+    """Owns the scheduler and its block manager and steps the worker (`load_worker`: the
+    model, KV cache, runner and draft model); `step()` advances every running request.
 
     Requests come validated (the front end checked them against `limits`); a request the core
     still cannot take (a duplicate id) raises ValueError in `add_request` and disturbs nobody
@@ -80,65 +49,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self._speculative = config.speculative
-        self.device = config.torch_device
-        dtype = config.torch_dtype
-        if self.device.type == "cpu" and dtype == torch.bfloat16 and not cpu_computes_bfloat16():
-            logger.warning(
-                "dtype bfloat16 on a CPU without AMX or AVX512-BF16: its products are emulated "
-                "and run slower than in float32; --dtype float32 (or auto) is faster here"
-            )
-        if config.quantization is not None and (
-            self.device.type != "cpu" or not torch.backends.mkldnn.is_available()
-        ):
-            raise ValueError(
-                f"quantization {config.quantization!r} runs on a CPU with oneDNN only (its "
-                f"int8 products), not on {self.device.type}"
-                + ("" if self.device.type == "cpu" else "; leave --quantization unset there")
-            )
-        if config.quantization is not None and not cpu_computes_int8():
-            raise ValueError(
-                f"quantization {config.quantization!r} needs a CPU with int8 units (AVX512-VNNI "
-                "or AMX); on this one oneDNN's int8 products take its reference kernel, about "
-                "a thousand times slower: leave --quantization unset here"
-            )
-        backend = make_backend(config)
-        if config.block_size < backend.min_block_size:
-            raise ValueError(
-                f"block_size must be >= {backend.min_block_size} for the "
-                f"{backend.name} attention backend, got {config.block_size}"
-            )
-        loaded = load_model(
-            config.model, config.load_format, backend, self.device, dtype, config.seed,
-            config.quantization,
-        )  # fmt: skip
-        self.model_config = loaded.config
-        self.eos_token_ids = loaded.eos_token_ids
+        worker = load_worker(config)
+        self.model_config = worker.model_config
+        self.eos_token_ids = worker.eos_token_ids
         self.eos_token_id = self.model_config.eos_token_id
-        n_positions = self.model_config.n_positions
-        self.max_model_len = config.max_model_len or n_positions
-        if self.max_model_len > n_positions:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds the model's "
-                f"n_positions ({n_positions})"
-            )
-
-        spec = self._speculative
-        draft = draft_backend = None
-        if spec is not None and spec.model is not None:
-            draft_backend = make_backend(config)
-            draft = load_model(
-                spec.model, config.load_format, draft_backend, self.device, dtype, config.seed,
-                config.quantization,
-            )  # fmt: skip
-            if draft.config.vocab_size != self.model_config.vocab_size:
-                raise ValueError(
-                    f"speculative_config.model {spec.model!r} has a vocabulary of "
-                    f"{draft.config.vocab_size} tokens, the target "
-                    f"{self.model_config.vocab_size}: a draft model must share the target's"
-                )
-        num_blocks = config.num_blocks or self._default_num_blocks(
-            loaded.model, backend, dtype, None if draft is None else draft.config
-        )
+        self.max_model_len = worker.max_model_len
+        self.runner, self.drafter = worker.runner, worker.drafter
+        num_blocks = worker.num_blocks
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -159,45 +76,6 @@ class EngineCore:
             self.block_manager,
             StopChecker(self.eos_token_ids),
         )
-        lora = None
-        if config.enable_lora:  # before the runner: it wraps the model's target products
-            lora = LoRAManager(
-                loaded.model, self.model_config, config.max_loras, config.max_lora_rank,
-                config.max_cpu_loras or config.max_loras, dtype, self.device,
-            )  # fmt: skip
-        generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        grammars = GrammarMatchers(
-            tokenizer_file(config.model, config.load_format),
-            self.model_config.vocab_size,
-            self.eos_token_id,
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            backend,
-            Sampler(generator, grammars),
-            num_blocks,
-            config.block_size,
-            config.max_num_seqs,
-            self.max_model_len,
-            self.device,
-            dtype,
-            grammars,
-            lora,
-        )
-        if config.uses_fused_decode:
-            self.runner.use_fused_decode()
-        if config.uses_cuda_graphs:
-            self.runner.capture_cuda_graphs(
-                config.max_num_seqs,
-                self.max_model_len,
-                config.max_num_batched_tokens if config.uses_piecewise_graphs else None,
-            )
-        self.drafter = None
-        if draft is not None and draft_backend is not None:
-            self.drafter = DraftModelProposer(
-                draft.model, draft_backend, num_blocks, config.block_size,
-                config.max_num_batched_tokens, self.device, dtype,
-            )  # fmt: skip
         self.limits = ModelLimits(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -220,35 +98,6 @@ class EngineCore:
         # steps, or to fail one as a model fault would (an observer that raises fails the
         # step, and the engine's fatal path follows).
         self.step_observers: list[Callable[[SchedulerOutput], None]] = []
-
-    def _default_num_blocks(
-        self,
-        model: GPT2LMHeadModel,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        draft_config: GPT2Config | None,
-    ) -> int:
-        """CPU: kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use
-        (weights, a draft model's included) and what the largest step needs on top (profiled
-        with a dummy step). A draft model's cache has as many blocks as the target's: each
-        block counts both."""
-        config = self.config
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, dtype)
-        if draft_config is not None:
-            per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, dtype)
-        if self.device.type == "cuda":
-            activation = profile_activation_bytes(
-                model, backend, config.max_num_batched_tokens, config.max_num_seqs,
-                self.max_model_len, config.block_size,
-            )  # fmt: skip
-            # Blocks torch's allocator caches but no tensor holds (a previous engine's, say)
-            # are free for this cache: hand them back before reading the device's free memory.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * config.gpu_memory_utilization - (total - free) - activation
-        else:
-            budget = (self.config.kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * _GIB
-        return max(int(budget // per_block), 2)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -58,6 +58,6 @@ def test_the_default_keeps_float32s_greedy_tokens_as_long_as_hf_bfloat16(caplog)
 
 
 def test_bfloat16_where_the_cpu_lacks_it_warns_what_it_costs(monkeypatch, caplog):
-    monkeypatch.setattr("octavo.engine.core.engine_core.cpu_computes_bfloat16", lambda: False)
+    monkeypatch.setattr("octavo.engine.worker.worker.cpu_computes_bfloat16", lambda: False)
     LLM(str(DEFAULT_MODEL), device="cpu", dtype="bfloat16", kv_cache_gb=0.0625)
     assert "slower than in float32" in caplog.text

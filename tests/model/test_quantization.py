@@ -139,6 +139,6 @@ def test_int8_off_the_cpu_is_refused_at_start():
 
 
 def test_int8_on_a_cpu_without_int8_units_is_refused_at_start(monkeypatch):
-    monkeypatch.setattr("octavo.engine.core.engine_core.cpu_computes_int8", lambda: False)
+    monkeypatch.setattr("octavo.engine.worker.worker.cpu_computes_int8", lambda: False)
     with pytest.raises(ValueError, match="quantization 'int8' needs a CPU with int8 units"):
         LLM(str(DEFAULT_MODEL), device="cpu", quantization="int8")

@@ -1,0 +1,191 @@
+"""The worker assembled from an EngineConfig: the model (and a draft model) loaded, the KV
+cache sized, the runner built and its graphs captured. The engine core gets back data and
+the two objects it steps (`Worker`); everything it sends them is step_io's."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from octavo import kernels
+from octavo.engine.config import (
+    DEFAULT_CPU_KV_CACHE_GB,
+    EngineConfig,
+    cpu_computes_bfloat16,
+    cpu_computes_int8,
+)
+from octavo.engine.worker.attention.backend import AttentionBackend
+from octavo.engine.worker.attention.torch_backend import TorchAttentionBackend
+from octavo.engine.worker.attention.triton_backend import TritonAttentionBackend
+from octavo.engine.worker.draft_model import DraftModelProposer
+from octavo.engine.worker.grammar import GrammarMatchers
+from octavo.engine.worker.lora import LoRAManager
+from octavo.engine.worker.model_runner import ModelRunner, profile_activation_bytes
+from octavo.engine.worker.models.configs import GPT2Config
+from octavo.engine.worker.models.model_files import tokenizer_file
+from octavo.engine.worker.models.weights import LoadedModel, load_model
+from octavo.engine.worker.sampler import Sampler
+
+_GIB = 1 << 30
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """What the engine core needs of the worker: the model's configuration and stop tokens,
+    the context length served, the KV cache's block count (the block manager's), the runner
+    that executes steps and, with a speculative draft model, its proposer."""
+
+    model_config: GPT2Config
+    eos_token_ids: list[int]  # the first is model_config.eos_token_id
+    max_model_len: int
+    num_blocks: int
+    runner: ModelRunner
+    drafter: DraftModelProposer | None
+
+
+def make_backend(config: EngineConfig) -> AttentionBackend:
+    """The configured attention backend; triton on CPU needs the Triton interpreter."""
+    if config.backend_name == "torch":
+        return TorchAttentionBackend()
+    if config.torch_device.type != "cuda" and not kernels.interpreter_active():
+        raise ValueError(
+            "attention_backend='triton' needs CUDA, or on CPU the Triton "
+            "interpreter (TRITON_INTERPRET=1 set before the engine is imported)"
+        )
+    return TritonAttentionBackend()
+
+
+def load_worker(config: EngineConfig) -> Worker:
+    """Loads and builds the worker for `config`; ValueError naming the setting a model or
+    this machine cannot serve."""
+    device, dtype = config.torch_device, config.torch_dtype
+    _check_device(config, device, dtype)
+    backend = make_backend(config)
+    if config.block_size < backend.min_block_size:
+        raise ValueError(
+            f"block_size must be >= {backend.min_block_size} for the "
+            f"{backend.name} attention backend, got {config.block_size}"
+        )
+    loaded = load_model(
+        config.model, config.load_format, backend, device, dtype, config.seed, config.quantization
+    )
+    model_config = loaded.config
+    n_positions = model_config.n_positions
+    max_model_len = config.max_model_len or n_positions
+    if max_model_len > n_positions:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's n_positions ({n_positions})"
+        )
+    draft_backend = make_backend(config)  # the draft model's layers' and its proposer's
+    draft = _load_draft(config, model_config, draft_backend)
+    num_blocks = config.num_blocks or _default_num_blocks(
+        config, loaded, backend, max_model_len, None if draft is None else draft.config
+    )
+    lora = None
+    if config.enable_lora:  # before the runner: it wraps the model's target products
+        lora = LoRAManager(
+            loaded.model, model_config, config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras, dtype, device,
+        )  # fmt: skip
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    grammars = GrammarMatchers(
+        tokenizer_file(config.model, config.load_format),
+        model_config.vocab_size,
+        model_config.eos_token_id,
+    )
+    runner = ModelRunner(
+        loaded.model, backend, Sampler(generator, grammars), num_blocks, config.block_size,
+        config.max_num_seqs, max_model_len, device, dtype, grammars, lora,
+    )  # fmt: skip
+    if config.uses_fused_decode:
+        runner.use_fused_decode()
+    if config.uses_cuda_graphs:
+        runner.capture_cuda_graphs(
+            config.max_num_seqs,
+            max_model_len,
+            config.max_num_batched_tokens if config.uses_piecewise_graphs else None,
+        )
+    drafter = None
+    if draft is not None:
+        drafter = DraftModelProposer(
+            draft.model, draft_backend, num_blocks, config.block_size,
+            config.max_num_batched_tokens, device, dtype,
+        )  # fmt: skip
+    return Worker(model_config, loaded.eos_token_ids, max_model_len, num_blocks, runner, drafter)
+
+
+def _check_device(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuses a quantization this device cannot compute; warns of an emulated bfloat16."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_computes_bfloat16():
+        logger.warning(
+            "dtype bfloat16 on a CPU without AMX or AVX512-BF16: its products are emulated "
+            "and run slower than in float32; --dtype float32 (or auto) is faster here"
+        )
+    if config.quantization is None:
+        return
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        raise ValueError(
+            f"quantization {config.quantization!r} runs on a CPU with oneDNN only (its "
+            f"int8 products), not on {device.type}"
+            + ("" if device.type == "cpu" else "; leave --quantization unset there")
+        )
+    if not cpu_computes_int8():
+        raise ValueError(
+            f"quantization {config.quantization!r} needs a CPU with int8 units (AVX512-VNNI "
+            "or AMX); on this one oneDNN's int8 products take its reference kernel, about "
+            "a thousand times slower: leave --quantization unset here"
+        )
+
+
+def _load_draft(
+    config: EngineConfig, target: GPT2Config, backend: AttentionBackend
+) -> LoadedModel | None:
+    """The speculative draft model, if one is configured; it must share the target's
+    vocabulary."""
+    spec = config.speculative
+    if spec is None or spec.model is None:
+        return None
+    draft = load_model(
+        spec.model, config.load_format, backend, config.torch_device,
+        config.torch_dtype, config.seed, config.quantization,
+    )  # fmt: skip
+    if draft.config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has a vocabulary of "
+            f"{draft.config.vocab_size} tokens, the target {target.vocab_size}: a draft "
+            "model must share the target's"
+        )
+    return draft
+
+
+def _default_num_blocks(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    backend: AttentionBackend,
+    max_model_len: int,
+    draft_config: GPT2Config | None,
+) -> int:
+    """CPU: kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use
+    (weights, a draft model's included) and what the largest step needs on top (profiled
+    with a dummy step). A draft model's cache has as many blocks as the target's: each
+    block counts both."""
+    dtype, device = config.torch_dtype, config.torch_device
+    per_block = ModelRunner.kv_bytes_per_block(loaded.config, config.block_size, dtype)
+    if draft_config is not None:
+        per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, dtype)
+    if device.type == "cuda":
+        activation = profile_activation_bytes(
+            loaded.model, backend, config.max_num_batched_tokens, config.max_num_seqs,
+            max_model_len, config.block_size,
+        )  # fmt: skip
+        # Blocks torch's allocator caches but no tensor holds (a previous engine's, say)
+        # are free for this cache: hand them back before reading the device's free memory.
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free) - activation
+    else:
+        budget = (config.kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * _GIB
+    return max(int(budget // per_block), 2)
