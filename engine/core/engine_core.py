@@ -221,14 +221,13 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """Schedules and launches one step and applies one: the same step, or with
-        `async_scheduling` the one launched before (scheduled one step ahead, its tokens fed
-        to this step on the device). Returns the outputs of requests that progressed."""
+        """Launches step N and applies step N - 1 while N runs, then N itself unless steps
+        are scheduled one ahead (`async_scheduling`: N's tokens then feed N + 1 on the
+        device). Returns the outputs of requests that progressed."""
         outputs: list[EngineCoreOutput] = []
         lag = self._schedules_ahead and not self._sync_only
-        if self._in_flight is not None and not lag:  # a request that needs sync steps came in
-            outputs += self._apply_step(*self._in_flight)
-            self._in_flight = None
+        if not lag:  # a request that needs sync steps came in while one was in flight
+            outputs += self._apply_in_flight()
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled.output.is_empty:  # nothing to run; the worker still hears what ended
@@ -236,14 +235,12 @@ class EngineCore:
         else:
             for observe in self.step_observers:
                 observe(scheduled.output)
-            launched = self.runner.execute_async(scheduled.output)
+            launched = (scheduled, self.runner.execute_async(scheduled.output))
             self._num_steps += 1
-        if self._in_flight is not None:  # the previous step, applied while this one runs
-            outputs += self._apply_step(*self._in_flight)
-        self._in_flight = None if launched is None else (scheduled, launched)
-        if self._in_flight is not None and not lag:
-            outputs += self._apply_step(*self._in_flight)
-            self._in_flight = None
+        outputs += self._apply_in_flight()
+        self._in_flight = launched
+        if not lag:
+            outputs += self._apply_in_flight()
         if self._speculative is not None:
             self._propose_drafts(self._speculative)
         return EngineCoreOutputs(outputs, self.stats())
@@ -281,8 +278,13 @@ class EngineCore:
         for (seq, _), draft in zip(drafted, drafts, strict=True):
             seq.spec_token_ids = draft
 
-    def _apply_step(self, scheduled: ScheduledStep, launched: StepFuture) -> list[EngineCoreOutput]:
-        """Applies a step's results; the outputs of the requests that progressed or ended."""
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        """Applies the step in flight, if any; the outputs of the requests that progressed
+        or ended."""
+        if self._in_flight is None:
+            return []
+        scheduled, launched = self._in_flight
+        self._in_flight = None
         update = self.scheduler.update(scheduled, launched.result())
         for group in update.finished:
             del self._groups[group.request_id]
