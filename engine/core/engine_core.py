@@ -292,7 +292,7 @@ class EngineCore:
         return update.outputs
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, updater = self.block_manager, self.scheduler.updater
         return EngineStats(
             num_running_seqs=self.scheduler.num_running_seqs,
             num_waiting_requests=len(self.scheduler.waiting),
@@ -301,14 +301,14 @@ class EngineCore:
             kv_cache_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.scheduler.num_prompt_tokens,
-            num_generation_tokens=self.scheduler.num_generation_tokens,
+            num_generation_tokens=updater.num_generation_tokens,
             num_requests_added=self._num_requests_added,
             num_prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             num_prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
             num_steps=self._num_steps,
-            num_draft_tokens=self.scheduler.num_draft_tokens,
-            num_accepted_tokens=self.scheduler.num_accepted_tokens,
-            num_accepted_tokens_per_pos=list(self.scheduler.num_accepted_tokens_per_pos),
+            num_draft_tokens=updater.num_draft_tokens,
+            num_accepted_tokens=updater.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(updater.num_accepted_tokens_per_pos),
             lora_running=self.scheduler.requests_per_adapter(self.scheduler.running),
             lora_waiting=self.scheduler.requests_per_adapter(self.scheduler.waiting),
         )

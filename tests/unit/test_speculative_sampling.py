@@ -13,6 +13,7 @@ import pytest
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
 from octavo.engine.core.sequence import Sequence, SequenceGroup
+from octavo.engine.core.step_updater import StepUpdater
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.sampling_params import SamplingParams
 from octavo.engine.step_io import ModelRunnerOutput, SamplerOutput
@@ -104,7 +105,7 @@ def test_drafted_samples_have_the_plain_distribution(plain_runs):
 def test_keeping_every_draft_is_caught(plain_runs, monkeypatch):
     first, second = plain_runs
     spread = distance(first, second)
-    keep_drafted = Scheduler._keep_drafted
+    keep_drafted = StepUpdater._keep_drafted
 
     def keeps_every_draft(self, group, seq, row, result):
         # The mutation: the worker's rows say the model chose every draft token.
@@ -113,5 +114,5 @@ def test_keeping_every_draft_is_caught(plain_runs, monkeypatch):
             tokens[row + offset] = draft
         return keep_drafted(self, group, seq, row, result)
 
-    monkeypatch.setattr(Scheduler, "_keep_drafted", keeps_every_draft)
+    monkeypatch.setattr(StepUpdater, "_keep_drafted", keeps_every_draft)
     assert distance(pairs(generate(2, drafts=True)), first) > 3 * spread + 0.05
