@@ -160,14 +160,31 @@ class BlockManager:
         fresh block, the pair is recorded for copying, and the old block loses one reference.
         A token that goes into a block the sequence holds alone (most decodes) changes nothing.
         """
-        start = seq.num_computed_tokens
-        if start + num_new_tokens <= self._writable_end.get(seq.seq_id, 0):
+        end = seq.num_computed_tokens + num_new_tokens
+        if end <= self._writable_end.get(seq.seq_id, 0):
             return True  # full blocks it filled register when it next enters a new one
+        return self._grow(seq, end, end)
+
+    def allocate_lookahead(self, seq: Sequence, num_tokens: int) -> bool:
+        """Makes room for `num_tokens` slots past the computed tokens of `seq`, where a
+        draft model writes its proposals to its own cache through this table (vLLM's
+        num_lookahead_tokens): as allocate_slots, but none of them is registered in the
+        prefix cache before the target computes it."""
+        start = seq.num_computed_tokens
+        if start + num_tokens <= self._writable_end.get(seq.seq_id, 0):
+            return True
+        return self._grow(seq, start + num_tokens, start)
+
+    def _grow(self, seq: Sequence, end: int, registered_end: int) -> bool:
+        """Gives `seq` the blocks of its first `end` positions (copying a shared partial
+        block it writes into) and registers its full blocks among the first
+        `registered_end`; False, changing nothing, when the free blocks are too few."""
+        start = seq.num_computed_tokens
         table = self.block_tables.get(seq.seq_id)
         if table is None:
             table = self.block_tables[seq.seq_id] = []
         block_size = self.block_size
-        target = -(-(start + num_new_tokens) // block_size)
+        target = -(-end // block_size)
         copy_on_write = start % block_size != 0 and self.ref_counts[table[start // block_size]] > 1
         needed = target - len(table) + copy_on_write
         if needed > 0:
@@ -184,7 +201,7 @@ class BlockManager:
             while len(table) < target:
                 table.append(self._allocate_block())
         if self.enable_prefix_caching:
-            self._register(seq, table, start + num_new_tokens)
+            self._register(seq, table, registered_end)
         self._writable_end[seq.seq_id] = len(table) * block_size
         return True
 

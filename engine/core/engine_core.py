@@ -274,7 +274,12 @@ class EngineCore:
                     seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
                 )
             return
-        drafts = drafter.propose([DraftRequest(s.seq_id, s.token_ids, k) for s, k in drafted])
+        bm, requests = self.block_manager, []
+        for seq, k in drafted:
+            # Slots for the draft's own proposals too: it writes them through this table.
+            bm.allocate_lookahead(seq, k)
+            requests.append(DraftRequest(seq.seq_id, seq.token_ids, k, bm.block_tables[seq.seq_id]))
+        drafts = drafter.propose(requests)
         for (seq, _), draft in zip(drafted, drafts, strict=True):
             seq.spec_token_ids = draft
 

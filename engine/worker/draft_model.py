@@ -2,8 +2,10 @@
 
 The draft model proposes greedily: its k tokens are a function of the sequence so far, so
 the target's verification (engine/speculative.py) treats them as a fixed draft and the
-output keeps the target's distribution, as with prompt lookup. It keeps its own paged K/V
-cache, one block list per sequence, filled as the sequences grow: a step computes each
+output keeps the target's distribution, as with prompt lookup. Its paged K/V cache has the
+target's block count and is addressed by the target's block tables (the scheduler allocates
+each speculating sequence k lookahead slots past its step, vLLM's num_lookahead_tokens, so
+the draft's own proposals have slots too): no allocator of its own. A step computes each
 sequence's tokens the draft has not seen (the last one or two after a verification, the
 whole prompt for a new sequence), then k - 1 decodes of its own proposals, all sequences in
 one forward each.
@@ -26,19 +28,21 @@ NULL_BLOCK = 0  # never handed out: padding for block-table rows
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """A sequence's tokens so far (its last one sampled, not yet in the target's cache) and
-    how many draft tokens to propose after them."""
+    """A sequence's tokens so far (its last one sampled, not yet in the target's cache), how
+    many draft tokens to propose after them, and its block table in the target's cache."""
 
     seq_id: int
     token_ids: list[int]
     num_tokens: int
+    block_ids: list[int]
 
 
 @dataclass
 class _DraftSequence:
     """The draft cache's copy of one sequence: the tokens whose K/V it holds, in order
     (the first `num_confirmed` of them are the sequence's; the rest are the draft's own
-    proposals, kept where the target accepted them), and its blocks."""
+    proposals, kept where the target accepted them), and the block table they were
+    written through."""
 
     cached: list[int] = field(default_factory=list)
     num_confirmed: int = 0
@@ -55,12 +59,14 @@ class _Row:
 
 
 class DraftModelProposer:
-    """Proposes draft tokens with `model` over a cache of `num_blocks` blocks.
+    """Proposes draft tokens with `model` over a cache of `num_blocks` blocks, the target's.
 
-    A sequence whose blocks do not fit in the free ones gets no draft that step (the target
-    decodes it as usual); a new sequence's prompt is computed at most `max_num_tokens` tokens
-    a step, all sequences together (a longer catch-up spans steps, proposing nothing until
-    it is done). Sequences longer than the model's positions get no draft.
+    A draft is as long as the sequence's table has slots for (the lookahead the scheduler
+    gave it); a new sequence's prompt is computed at most `max_num_tokens` tokens a step,
+    all sequences together (a longer catch-up spans steps, proposing nothing until it is
+    done). Sequences longer than the model's positions get no draft. Where a sequence's
+    table changed under what the draft wrote (a copy-on-write of a block its samples
+    shared), the draft computes again from the first changed block.
     """
 
     def __init__(
@@ -80,13 +86,7 @@ class DraftModelProposer:
         self.max_positions = model.config.n_positions
         self.device = device
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
-        self.num_blocks = num_blocks
-        self._free_blocks = list(range(num_blocks - 1, NULL_BLOCK, -1))
         self._seqs: dict[int, _DraftSequence] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
 
     @property
     def num_sequences(self) -> int:
@@ -94,10 +94,10 @@ class DraftModelProposer:
         return len(self._seqs)
 
     def release(self, live_seq_ids: set[int]) -> None:
-        """Frees the cache of every sequence not in live_seq_ids (finished, or preempted:
-        a preempted sequence is computed again when it resumes)."""
+        """Forgets every sequence not in live_seq_ids (finished, or preempted: its blocks
+        went back to the target's free list, and it is computed again when it resumes)."""
         for seq_id in [s for s in self._seqs if s not in live_seq_ids]:
-            self._free_blocks += self._seqs.pop(seq_id).blocks
+            del self._seqs[seq_id]
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
@@ -134,10 +134,11 @@ class DraftModelProposer:
 
     def _plan(self, request: DraftRequest) -> _Row | None:
         """The sequence's rows for its first forward: what the cache lacks of its tokens
-        (at least the last), with blocks for those and for the draft's own k - 1 tokens;
-        None where it gets no draft."""
-        tokens = request.token_ids
-        k = min(request.num_tokens, self.max_positions - len(tokens) + 1)
+        (at least the last); None where it gets no draft."""
+        tokens, table = request.token_ids, request.block_ids
+        # Its inputs reach position len(tokens) + k - 2: within the model and the table.
+        room = min(self.max_positions, len(table) * self.block_size)
+        k = min(request.num_tokens, room - len(tokens) + 1)
         if k < 1:
             return None
         state = self._seqs.setdefault(request.seq_id, _DraftSequence())
@@ -147,13 +148,15 @@ class DraftModelProposer:
         limit = min(len(state.cached), len(tokens) - 1)
         while confirmed < limit and state.cached[confirmed] == tokens[confirmed]:
             confirmed += 1
+        # Only blocks the table still holds keep what the draft wrote there.
+        written = state.blocks
+        if table[: len(written)] != written:
+            pairs = enumerate(zip(written, table, strict=False))
+            same = next((i for i, (a, b) in pairs if a != b), min(len(written), len(table)))
+            confirmed = min(confirmed, same * self.block_size)
         del state.cached[confirmed:]
         state.num_confirmed = confirmed
-        needed = -(-(len(tokens) + k - 1) // self.block_size) - len(state.blocks)
-        if needed > len(self._free_blocks):
-            return None
-        for _ in range(needed):
-            state.blocks.append(self._free_blocks.pop())
+        state.blocks = list(table)
         return _Row(state, tokens[confirmed:], k)
 
     def _forward(self, rows: list[_Row]) -> list[int]:

@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model: greedy tokens are HF's (the target's), token for
 token, whatever the draft proposes; the target itself as draft is accepted throughout, a
-smaller model in part; the draft's own cache is freed as sequences end, and a draft cache
-that runs short only costs drafts."""
+smaller model in part; the draft writes through the target's block tables (lookahead slots
+for its proposals), forgets sequences as they end, and a table short of slots or changed
+under it only costs drafts."""
 
 import shutil
 from pathlib import Path
@@ -59,7 +60,9 @@ def assert_draft_cache_empty(engine: LLMEngine) -> None:
     drafter = engine.core.drafter
     assert drafter is not None
     assert drafter.num_sequences == 0
-    assert drafter.num_free_blocks == drafter.num_blocks - 1  # all but the null block
+    block_manager = engine.core.block_manager
+    block_manager.check_invariants()
+    assert not block_manager.block_tables  # the lookahead slots went with their sequences
 
 
 @pytest.mark.parametrize(
@@ -116,22 +119,6 @@ def test_a_draft_of_another_architecture_with_the_vocabulary(
     assert engine.stats().num_draft_tokens > 0
 
 
-def test_a_short_draft_cache_costs_drafts_not_tokens(tiny_model_dir, prompts, expected):
-    """A draft cache of 16 blocks (the target's 256 blocks are set alike, but the draft
-    shares no prompt between samples): sequences that do not fit get no draft that step."""
-    engine = engine_for(tiny_model_dir, tiny_model_dir)
-    full = engine.core.drafter
-    assert full is not None
-    engine.core.drafter = DraftModelProposer(
-        full.model, full.backend, 16, 8, 2048, torch.device("cpu"), torch.float32
-    )
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    assert tokens_of(run_to_completion(engine, prompts, params)) == expected
-    stats = engine.stats()
-    assert 0 < stats.num_draft_tokens < len(prompts) * (MAX_TOKENS - 1)
-    assert_draft_cache_empty(engine)
-
-
 def test_seeded_sampling_repeats_itself_and_n_samples_draft_each(
     tiny_model_dir, one_layer_dir, prompts
 ):
@@ -171,16 +158,21 @@ def test_each_proposal_is_the_draft_models_greedy_continuation(
     draft and appends a token of its own (the target's correction), or leaves a sequence as it
     was (a step that did not schedule it); some rounds a sequence
     gets no draft (the batch was over disable_by_batch_size, say) and grows by one token;
-    sequences end and new ones come. Every draft is the draft model's greedy continuation
-    (HF's): its cache never serves a rejected token's K/V. With a small catch-up budget, long
-    prompts are computed over several rounds, proposing nothing until they are."""
+    sequences end and new ones come. Tables come as the scheduler's do: blocks appended as a
+    sequence grows, with the lookahead slots of its draft, or fewer (no free block was left:
+    the draft is as long as the slots allow); some rounds a block is replaced (a copy-on-write),
+    which the target's copy fills but the draft's cache does not. Every draft is the draft
+    model's greedy continuation (HF's): its cache never serves a rejected token's K/V nor a
+    replaced block's. With a small catch-up budget, long prompts are computed over several
+    rounds, proposing nothing until they are."""
     from transformers import GPT2LMHeadModel
 
     hf_draft = GPT2LMHeadModel.from_pretrained(one_layer_dir).eval()
     core = engine_for(tiny_model_dir, one_layer_dir).core
     assert core.drafter is not None
+    block_size, num_blocks = 8, 128
     proposer = DraftModelProposer(
-        core.drafter.model, core.drafter.backend, 128, 8, catch_up_tokens,
+        core.drafter.model, core.drafter.backend, num_blocks, block_size, catch_up_tokens,
         torch.device("cpu"), torch.float32,
     )  # fmt: skip
     vocab = hf_draft.config.vocab_size
@@ -189,11 +181,22 @@ def test_each_proposal_is_the_draft_models_greedy_continuation(
     def random_token(high: int) -> int:
         return int(torch.randint(1, high, (), generator=generator))
 
+    free = list(range(num_blocks - 1, 0, -1))
+    tables: dict[int, list[int]] = {}
+
+    def table_for(seq_id: int, num_slots: int) -> list[int]:
+        table = tables.setdefault(seq_id, [])
+        while len(table) * block_size < num_slots:
+            table.append(free.pop())
+        return table
+
     live = dict(enumerate(sample_prompts(4, 3, 40, vocab, seed=1)))
-    next_id, checked, waited = len(live), 0, 0
+    next_id, checked, waited, shortened, replaced = len(live), 0, 0, 0, 0
     for round_ in range(16):
         if round_ % 4 == 3:  # one sequence ends, a new one comes
-            del live[min(live)]
+            ended = min(live)
+            del live[ended]
+            free += tables.pop(ended, [])
             live[next_id] = sample_prompts(1, 20, 40, vocab, seed=next_id)[0]
             next_id += 1
             proposer.release(set(live))
@@ -202,21 +205,36 @@ def test_each_proposal_is_the_draft_models_greedy_continuation(
         for seq_id in undrafted:
             live[seq_id] = live[seq_id] + [random_token(vocab)]
         k = 1 + round_ % 4
-        drafts = proposer.propose([DraftRequest(i, list(live[i]), k) for i in ids])
-        for seq_id, draft in zip(ids, drafts, strict=True):
+        requests = []
+        for seq_id in ids:
             tokens = live[seq_id]
+            # The lookahead: slots through position len + k - 2, or (no block left) fewer.
+            short = random_token(5) == 1
+            table = table_for(seq_id, len(tokens) + (0 if short else k - 1))
+            if seq_id in tables and len(table) > 1 and random_token(6) == 1:
+                index = random_token(len(table))  # a copy-on-write of a block the draft wrote
+                free.append(table[index])
+                table[index] = free.pop(0)
+                replaced += 1
+            requests.append(DraftRequest(seq_id, list(tokens), k, list(table)))
+        drafts = proposer.propose(requests)
+        for request, draft in zip(requests, drafts, strict=True):
+            tokens = live[request.seq_id]
             if not draft:
                 waited += 1
                 continue
-            assert draft == argmax_continuation(hf_draft, tokens, k)
+            room = len(request.block_ids) * block_size - len(tokens) + 1
+            assert len(draft) == min(k, room)
+            shortened += len(draft) < k
+            assert draft == argmax_continuation(hf_draft, tokens, len(draft))
             checked += 1
-            kept = random_token(k + 3) - 2  # -1 (the step did not run it) or 0..k
+            kept = random_token(len(draft) + 3) - 2  # -1 (the step did not run it) or 0..k
             if kept >= 0:
-                live[seq_id] = tokens + draft[:kept] + [random_token(vocab)]
-    assert checked > 20
+                live[request.seq_id] = tokens + draft[:kept] + [random_token(vocab)]
+    assert checked > 20 and replaced > 0 and shortened > 0
     assert (waited > 0) == (catch_up_tokens < 2048)
     proposer.release(set())
-    assert proposer.num_sequences == 0 and proposer.num_free_blocks == 127
+    assert proposer.num_sequences == 0
 
 
 def test_drafts_stop_at_the_draft_models_last_position(tiny_model_dir):
@@ -225,5 +243,8 @@ def test_drafts_stop_at_the_draft_models_last_position(tiny_model_dir):
     core = engine_for(tiny_model_dir, tiny_model_dir, k=6).core
     assert core.drafter is not None
     long = sample_prompts(1, 256, 256, 512, seed=0)[0]
-    drafts = core.drafter.propose([DraftRequest(0, long[:254], 6), DraftRequest(1, long, 6)])
+    table = list(range(1, 1 + 264 // 8))  # room for every position and more
+    drafts = core.drafter.propose(
+        [DraftRequest(0, long[:254], 6, table), DraftRequest(1, long, 6, table)]
+    )
     assert [len(d) for d in drafts] == [3, 1]

@@ -248,3 +248,34 @@ def test_a_waiting_sequence_that_is_aborted_leaves_nothing():
     assert bm.cached_prefix(other) == [] and bm.cached_prefix(same) == [1, 2, 3, 4]
     free(bm, computed, other, same)
     all_back(bm)
+
+
+def test_lookahead_slots_are_not_cached_before_the_target_computes_them():
+    """A draft model's lookahead: slots past the computed tokens, the last sampled token's
+    included. Its blocks are the sequence's, but none of them is registered until the target
+    computes its tokens: a request that ends before then leaves no block named for tokens
+    whose K/V the cache never got."""
+    bm = BlockManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    seq = seq_of(0, TOKENS[:8])  # 2 full blocks once its last token (position 7) is computed
+    compute(bm, seq, 7)
+    assert bm.allocate_lookahead(seq, 3)  # positions 7..9
+    bm.check_invariants()
+    assert bm.get_block_table(seq) == [1, 2, 3]
+    assert bm.num_cached_blocks == 1  # block 2 waits for position 7
+    assert bm.allocate_lookahead(seq, 2)  # within the slots it has: nothing changes
+    assert bm.get_block_table(seq) == [1, 2, 3] and bm.num_free_blocks == 12
+    free(bm, seq)
+    other = seq_of(1, TOKENS[:8] + [1])
+    assert admit(bm, other) == [1]
+    free(bm, other)
+    all_back(bm)
+
+
+def test_lookahead_that_does_not_fit_changes_nothing():
+    bm = BlockManager(num_blocks=4, block_size=BLOCK, enable_prefix_caching=False)
+    seq = seq_of(0, TOKENS[:6])
+    compute(bm, seq, 5)
+    assert not bm.allocate_lookahead(seq, 12)  # 5 blocks; 3 usable
+    assert bm.get_block_table(seq) == [1, 2] and bm.num_free_blocks == 1
+    free(bm, seq)
+    all_back(bm)
