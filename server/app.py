@@ -1,8 +1,8 @@
 """The FastAPI application factory: routes, auth, body limit and OpenAI-shaped errors.
 
 Every route is named in `create_app`: FastAPI's decorated ones, then the generating ones
-(/v1/completions, /v1/chat/completions, /v1/responses), which a middleware answers
-(generation_routes.py).
+(/v1/completions, /v1/chat/completions, /v1/responses), which a middleware answers ahead of
+FastAPI's router (generation_routes.py).
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from octavo.engine.frontend.async_engine import AsyncEngine
-from octavo.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from octavo.server.chat_protocol import ChatCompletionResponse
 from octavo.server.errors import APIError, internal_error, invalid_body, model_not_found
-from octavo.server.generation_routes import GenerationRoute, GenerationRoutes
+from octavo.server.generation_routes import GenerationRoute, add_generation_routes
 from octavo.server.http_guards import BodySizeLimit, HostCheck, check_api_key
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import (
-    CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -41,7 +40,7 @@ from octavo.server.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from octavo.server.responses_protocol import ResponsesRequest, ResponsesResponse
+from octavo.server.responses_protocol import ResponsesResponse
 from octavo.server.serving_chat import ChatServing
 from octavo.server.serving_completion import CompletionServing
 from octavo.server.serving_engine import ServerConfig
@@ -158,35 +157,38 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def version() -> VersionResponse:
         return VersionResponse(version=importlib.metadata.version("octavo"))
 
-    # The generating routes, POST only. A middleware ahead of FastAPI's router answers them,
-    # not a decorated route: generation_routes.py says why. FastAPI documents them (below).
+    # The generating routes, POST only. A middleware ahead of FastAPI's router answers them:
+    # generation_routes.py says why.
+    chunks = "one `data: <{} JSON>` per chunk, then `data: [DONE]`.".format
     generation_routes = (
         GenerationRoute(
-            path="/v1/completions",
-            name="completions",
-            request_model=CompletionRequest,
-            handler=serving.create,
-            responses=_COMPLETION_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+            "/v1/completions",
+            "completions",
+            serving.create_completion,
+            _generating(CompletionResponse, "completion", chunks("CompletionResponse")),
         ),
         GenerationRoute(
-            path="/v1/chat/completions",
-            name="chat_completions",
-            request_model=ChatCompletionRequest,
-            handler=chat.create,
-            responses=_CHAT_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+            "/v1/chat/completions",
+            "chat_completions",
+            chat.create_chat_completion,
+            _generating(ChatCompletionResponse, "chat completion", chunks("ChatCompletionChunk")),
         ),
         GenerationRoute(
-            path="/v1/responses",
-            name="create_response",
-            request_model=ResponsesRequest,
-            handler=responses.create_response,
-            responses=_RESPONSES_RESPONSES | _errors(400, 401, 404, 413, 500, 503),
+            "/v1/responses",
+            "create_response",
+            responses.create_responses,
+            _generating(
+                ResponsesResponse,
+                "response",
+                "per event `event: <type>` and `data: <event JSON>`, from response.created to "
+                "response.completed (response.incomplete at max_output_tokens); no [DONE].",
+            ),
         ),
     )
 
     # Middleware added last runs first: the Host check, then the body limit, then the
     # generating routes, then FastAPI's router for the rest.
-    app.add_middleware(GenerationRoutes, routes=generation_routes, authorize=authorize)
+    add_generation_routes(app, generation_routes, authorize)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     if config.allowed_hosts is not None:  # a foreign Host gets nothing else
         app.add_middleware(HostCheck, allowed_hosts=config.allowed_hosts)
@@ -194,14 +196,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     def openapi() -> dict[str, Any]:
         """FastAPI's document without the 422 it adds to every route with a body: this
         server answers validation errors with 400 (OpenAI's shape)."""
-        if app.openapi_schema is None:
-            documented = app.routes + [route.openapi_route() for route in generation_routes]
-            schema = get_openapi(title=app.title, version=app.version, routes=documented)
+        schema = app.openapi_schema
+        if schema is None:
+            schema = FastAPI.openapi(app)  # which keeps it as app.openapi_schema
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
-            app.openapi_schema = schema
-        return app.openapi_schema
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
     return app
@@ -215,34 +216,19 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-_COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "model": CompletionResponse,
-        "description": "The completion, or with `stream: true` server-sent events: one "
-        "`data: <CompletionResponse JSON>` per chunk, then `data: [DONE]`.",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-    },
-    204: {"description": "The client disconnected before the completion was ready."},
-}
-_CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "model": ChatCompletionResponse,
-        "description": "The chat completion, or with `stream: true` server-sent events: one "
-        "`data: <ChatCompletionChunk JSON>` per chunk, then `data: [DONE]`.",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-    },
-    204: {"description": "The client disconnected before the completion was ready."},
-}
-_RESPONSES_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "model": ResponsesResponse,
-        "description": "The response, or with `stream: true` server-sent events: per event "
-        "`event: <type>` and `data: <event JSON>`, from response.created to "
-        "response.completed (response.incomplete at max_output_tokens); no [DONE].",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-    },
-    204: {"description": "The client disconnected before the response was ready."},
-}
+def _generating(model: type[BaseModel], answer: str, events: str) -> dict[int | str, Any]:
+    """The OpenAPI responses of a generating route: the `answer` (a `model`), or with stream
+    the SSE `events`; a 204 to a client that left first; the errors."""
+    return {
+        200: {
+            "model": model,
+            "description": f"The {answer}, or with `stream: true` server-sent events: {events}",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        204: {"description": f"The client disconnected before the {answer.split()[-1]} was ready."},
+    } | _errors(400, 401, 404, 413, 500, 503)
+
+
 _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Serving.", "content": {}},
     503: {"description": "Shutting down, or the engine stopped.", "content": {}},

@@ -1,6 +1,7 @@
-"""The generating routes (completions, chat completions), answered by a middleware ahead of
-FastAPI's router. server/app.py lists them (path, name, request model, handler) beside its
-FastAPI routes; this module answers them.
+"""The generating routes (completions, chat completions, responses), answered by a
+middleware ahead of FastAPI's router. server/app.py lists them (path, name, handler) beside
+its FastAPI routes; this module mounts them on FastAPI's router, which documents them, and
+answers them first (`add_generation_routes`).
 
 Through FastAPI, every request of these routes would pass its exception middleware, its
 exit-stack middleware, the router's match against every route, the route's own exception
@@ -10,8 +11,9 @@ on a short request (the served figure that keeps this middleware: docs/benchmark
 validated as FastAPI does it (`json`, then the request model) and handed straight to the
 route's handler; errors take the OpenAI shapes that the app's exception handlers give the
 other routes. The guards in front of the app (Host check, body size limit) still apply:
-this middleware sits inside them. FastAPI still documents the routes
-(`GenerationRoute.openapi_route`).
+this middleware sits inside them. The routes are mounted on FastAPI's router as well, with
+the same handlers: FastAPI documents them from the handlers' signatures, and never gets
+their requests.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import Request
-from fastapi.routing import APIRoute
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -39,34 +40,36 @@ Handler = Callable[[Any, Request], Awaitable[Response]]
 
 @dataclass(frozen=True)
 class GenerationRoute:
-    """A POST route whose JSON body is a `request_model`, answered by `handler(body,
-    request)`. `name` and `responses` are its OpenAPI operation's."""
+    """A POST route answered by `handler(body, request)`, whose first parameter's annotation
+    is the model of the JSON body (as FastAPI reads it). `name` and `responses` are its
+    OpenAPI operation's; FastAPI would take a docstring of the handler for its description,
+    so the handlers have none."""
 
     path: str
     name: str
-    request_model: type[BaseModel]
     handler: Handler
     responses: dict[int | str, dict[str, Any]] = field(default_factory=dict)
 
-    def openapi_route(self) -> APIRoute:
-        """The route as FastAPI documents it (the body's schema, the responses); never
-        mounted, so never called: `GenerationRoutes` answers the path."""
+    def request_model(self) -> type[BaseModel]:
+        body = next(iter(inspect.signature(self.handler, eval_str=True).parameters.values()))
+        return body.annotation
 
-        async def endpoint(request: Any) -> None:
-            raise AssertionError("documentation only")
 
-        body = inspect.Parameter(
-            "request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=self.request_model
-        )
-        endpoint.__signature__ = inspect.Signature([body])  # type: ignore[attr-defined]
-        return APIRoute(
-            self.path,
-            endpoint,
+def add_generation_routes(
+    app: FastAPI, routes: Sequence[GenerationRoute], authorize: Callable[[Request], None]
+) -> None:
+    """Mounts `routes` on the app's router, which documents them, and the middleware that
+    answers their requests ahead of it (`GenerationRoutes`)."""
+    for route in routes:
+        app.add_api_route(
+            route.path,
+            route.handler,
             methods=["POST"],
-            name=self.name,
+            name=route.name,
             response_model=None,
-            responses=self.responses,
+            responses=route.responses,
         )
+    app.add_middleware(GenerationRoutes, routes=routes, authorize=authorize)
 
 
 def is_json(content_type: str) -> bool:
@@ -96,7 +99,7 @@ class GenerationRoutes:
         authorize: Callable[[Request], None],
     ):
         self.app = app
-        self.routes = {route.path: route for route in routes}
+        self.routes = {route.path: (route.request_model(), route.handler) for route in routes}
         self.authorize = authorize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,10 +108,12 @@ class GenerationRoutes:
         if route is None:
             await self.app(scope, receive, send)
             return
-        response = await self._respond(route, Request(scope, receive))
+        response = await self._respond(*route, Request(scope, receive))
         await response(scope, receive, send)
 
-    async def _respond(self, route: GenerationRoute, request: Request) -> Response:
+    async def _respond(
+        self, request_model: type[BaseModel], handler: Handler, request: Request
+    ) -> Response:
         try:
             if request.method != "POST":
                 raise APIError(
@@ -130,10 +135,10 @@ class GenerationRoutes:
             except RecursionError as exc:  # json recurses once per level of nesting
                 raise APIError(HTTPStatus.BAD_REQUEST, "JSON body nested too deeply") from exc
             try:
-                body = route.request_model.model_validate(data)
+                body = request_model.model_validate(data)
             except ValidationError as exc:
                 raise invalid_body(exc.errors()) from exc
-            return await route.handler(body, request)
+            return await handler(body, request)
         except APIError as exc:
             return exc.response()
         except Exception as exc:  # noqa: BLE001 -- a server bug: this request's 500

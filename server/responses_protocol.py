@@ -553,7 +553,7 @@ class ResponsesResponse(BaseModel):
 
     @classmethod
     def of(
-        cls, request: ResponsesRequest, id_: str, created_at: int, model: str, **state: Any
+        cls, request: ResponsesRequest, id_: str, created_at: int, **state: Any
     ) -> ResponsesResponse:
         """The response `id_` to `request`, with `state` (status, output, usage, ...)."""
         chat = request.chat_request()
@@ -562,7 +562,7 @@ class ResponsesResponse(BaseModel):
             created_at=created_at,
             instructions=request.instructions,
             max_output_tokens=request.max_output_tokens,
-            model=model,
+            model=request.model,  # the base's name, or an adapter's
             parallel_tool_calls=chat.parallel_tool_calls,
             temperature=chat.temperature,
             text=request.echoed_text(),

@@ -3,13 +3,12 @@ engine, answered as a chat.completion or a stream of chat.completion.chunk event
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
@@ -25,51 +24,39 @@ from octavo.server.chat_protocol import (
 )
 from octavo.server.chat_template import ChatTemplate
 from octavo.server.errors import APIError
-from octavo.server.serving_engine import (
-    EngineServing,
-    PromptAndParams,
-    engine_error,
-    json_unless_disconnected,
-    usage,
-)
-from octavo.server.stream_builder import ChoiceState, StreamBuilder
-from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta, jsonable
-from octavo.server.streaming import EventStreamResponse
+from octavo.server.serving_engine import EngineServing, Generation, PromptAndParams, usage
+from octavo.server.stream_builder import ChoiceState, ChunkStream
+from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta
 from octavo.server.tool_calls import ToolCallParser, make_parser
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
-class ChatServing(EngineServing):
+def no_chat_template(route: str) -> APIError:
+    """The 400 of a route that needs a chat template on a server without one."""
+    return APIError(
+        HTTPStatus.BAD_REQUEST,
+        f"this model has no chat template, so it cannot serve {route}: start the server with "
+        "--chat-template FILE_OR_STRING (a Jinja chat template), or use /v1/completions",
+    )
+
+
+class ChatServing(EngineServing[ChatCompletionRequest]):
     """A chat request is one prompt (the rendered conversation) with n samples: one engine
     request, whose sample j is choice j."""
 
-    async def create(
+    request_id = staticmethod(chat_completion_id)
+
+    async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
-    ) -> JSONResponse | EventStreamResponse | Response:
-        """The response to one chat request; a non-streaming request whose client
-        disconnects is aborted like a stream whose client left."""
+    ) -> Response:
+        return await self.serve(request, raw_request)
+
+    async def preprocess(self, request: ChatCompletionRequest) -> list[PromptAndParams]:
         template = self.config.chat_template
         if template is None:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                "this model has no chat template, so it cannot serve chat requests: start the "
-                "server with --chat-template FILE_OR_STRING (a Jinja chat template), or use "
-                "/v1/completions",
-            )
-        self._check_supported(request)
-        await self.compile_constraint(request)
-        prompts = [self.process(request, self._render(template, request))]
-        request_id = chat_completion_id()
-        streams = self.submit(request_id, prompts, request.model)
-        if request.stream:
-            builder = ChatStream(self, request_id, request, prompts)
-            return EventStreamResponse(builder.events(self.merge(streams)))
-        completion = self._complete(request_id, request, prompts, streams)
-        return await json_unless_disconnected(raw_request, completion)
-
-    def _check_supported(self, request: ChatCompletionRequest) -> None:
+            raise no_chat_template("chat requests")
         self.check_request(request, num_prompts=1)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(
@@ -103,6 +90,8 @@ class ChatServing(EngineServing):
                 f"chat_template_kwargs may not set {sorted(reserved)}: they are request fields",
                 param="chat_template_kwargs",
             )
+        await self.compile_constraint(request)
+        return [self.process(request, self._render(template, request))]
 
     @staticmethod
     def _render(template: ChatTemplate, request: ChatCompletionRequest) -> str:
@@ -130,24 +119,14 @@ class ChatServing(EngineServing):
             prompt = prompt[: end + len(final)]
         return prompt
 
-    # -- responses ---------------------------------------------------------------------------
+    def stream(self, generation: Generation[ChatCompletionRequest]) -> ChatStream:
+        return ChatStream(self, generation)
 
-    async def _complete(
-        self,
-        request_id: str,
-        request: ChatCompletionRequest,
-        prompts: list[PromptAndParams],
-        streams: list[AsyncIterator[RequestOutput]],
+    def response(
+        self, generation: Generation[ChatCompletionRequest], finals: list[RequestOutput]
     ) -> ChatCompletionResponse:
-        final: RequestOutput | None = None
-        try:
-            async for _, output in self.merge(streams):
-                final = output
-        except Exception as exc:
-            raise engine_error(exc) from exc
-        assert final is not None and final.finished
-        if final.metrics is not None:
-            self.metrics.observe_finished(final.metrics)
+        request = generation.request
+        [final] = finals
         choices = []
         for completion in final.outputs:
             content, tool_calls = self.tool_parser(request).parse(completion.text)
@@ -161,11 +140,12 @@ class ChatServing(EngineServing):
                 )
             )
         return ChatCompletionResponse(
-            id=request_id,
+            id=generation.request_id,
+            created=generation.created,
             model=request.model,
             choices=choices,
             usage=usage(
-                prompts,
+                generation.prompts,
                 sum(len(c.token_ids) for c in final.outputs),
                 final.num_cached_tokens or 0,
             ),
@@ -210,7 +190,7 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletionChunk]):
+class ChatStream(ChunkStream[ChatServing, ChatCompletionRequest, ChatCompletionChunk]):
     """A chat stream, as OpenAI's: each choice's first chunk carries the role, then one chunk
     per delta output of a choice, the last with its finish_reason. The prompt's logprobs,
     when asked for, come once, with the first output. With tools, each choice's text goes
@@ -225,16 +205,16 @@ class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletio
         self._parsers: dict[int, ToolCallParser] = {}  # per choice, from its first output
         self._called: set[int] = set()  # the choices that called a tool
 
-    def opening(self) -> list[ChatCompletionChunk]:
+    def opening(self) -> bytes:
         role = ChatDelta(role="assistant", content="")
-        return [
-            self.chunk([ChatChunkChoice(index=index, delta=role)])
-            for index in range(self.request.n)
-        ]
+        return b"".join(
+            self.event(self.chunk([ChatChunkChoice(index=index, delta=role)]))
+            for index in range(self.n)
+        )
 
-    def delta_chunk(
+    def delta_events(
         self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
-    ) -> ChatCompletionChunk:
+    ) -> bytes:
         serving, request = self.serving, self.request
         choice.tokens += len(completion.token_ids)
         delta = ChatDelta(content=completion.text)
@@ -244,15 +224,15 @@ class ChatStream(StreamBuilder[ChatServing, ChatCompletionRequest, ChatCompletio
         chunk_choice = ChatChunkChoice(
             index=choice.index,
             delta=delta,
-            logprobs=jsonable(serving._logprobs(completion, request)),
+            logprobs=serving._logprobs(completion, request),
             finish_reason=reason,
             stop_reason=completion.stop_reason,
         )
-        chunk = self.chunk([chunk_choice])
+        chunk = self.chunk([chunk_choice], choice)
         if not self._prompt_scored:
-            chunk.prompt_logprobs = jsonable(serving.vllm_prompt_logprobs(output, request))
+            chunk.prompt_logprobs = serving.vllm_prompt_logprobs(output, request)
             self._prompt_scored = True
-        return chunk
+        return self.event(chunk)
 
     def _tool_delta(self, completion: CompletionOutput, index: int) -> tuple[ChatDelta, str | None]:
         """The delta and finish_reason of a choice's output read by its tool-call parser."""

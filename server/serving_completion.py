@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.server.errors import APIError
@@ -17,44 +17,36 @@ from octavo.server.protocol import (
     Logprobs,
     completion_id,
 )
-from octavo.server.serving_engine import (
-    EngineServing,
-    PromptAndParams,
-    engine_error,
-    json_unless_disconnected,
-    usage,
-)
-from octavo.server.stream_builder import ChoiceState, StreamBuilder
-from octavo.server.stream_chunks import CompletionChunk, CompletionChunkChoice, jsonable
-from octavo.server.streaming import Delta, EventStreamResponse
+from octavo.server.serving_engine import EngineServing, Generation, PromptAndParams, usage
+from octavo.server.stream_builder import ChoiceState, ChunkStream
+from octavo.server.stream_chunks import CompletionChunk, CompletionChunkChoice
 
 
-class CompletionServing(EngineServing):
+@dataclass
+class Delta:
+    """What one event adds to a choice (the engine's delta output, placed in the choice)."""
+
+    text: str
+    token_ids: list[int]
+    # Per token {token_id: logprob}, the token first; None for a token without any (the
+    # first of an echoed prompt). None as a whole when logprobs were not asked for.
+    logprobs: list[dict[int, float] | None] | None
+    text_offset: int  # where the first token's text starts in the choice's logprobs text
+
+
+class CompletionServing(EngineServing[CompletionRequest]):
     """Converts an OpenAI completion request at the edge and runs it on the AsyncEngine.
 
     A request with k prompts and n samples becomes k engine requests; choice `i * n + j` is
     sample j of prompt i.
     """
 
-    async def create(
-        self, request: CompletionRequest, raw_request: Request
-    ) -> JSONResponse | EventStreamResponse | Response:
-        """The response to one completion request. A non-streaming request whose client
-        disconnects (`raw_request` says so) is aborted like a stream whose client left."""
-        self._check_supported(request)
-        await self.compile_constraint(request)
-        prompts = [self.process(request, p) for p in request.prompts()]
-        request_id = completion_id()
-        streams = self.submit(request_id, prompts, request.model)
-        if request.stream:
-            builder = CompletionStream(self, request_id, request, prompts)
-            return EventStreamResponse(builder.events(self.merge(streams)))
-        completion = self._complete(request_id, request, prompts, streams)
-        return await json_unless_disconnected(raw_request, completion)
+    request_id = staticmethod(completion_id)
 
-    # -- validation --------------------------------------------------------------------------
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        return await self.serve(request, raw_request)
 
-    def _check_supported(self, request: CompletionRequest) -> None:
+    async def preprocess(self, request: CompletionRequest) -> list[PromptAndParams]:
         self.check_request(request, len(request.prompts()))
         if request.suffix:
             raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
@@ -73,43 +65,40 @@ class CompletionServing(EngineServing):
                 "prompt_logprobs must equal logprobs when echo scores the prompt too",
                 param="prompt_logprobs",
             )
+        await self.compile_constraint(request)
+        return [self.process(request, prompt) for prompt in request.prompts()]
 
-    # -- responses ---------------------------------------------------------------------------
+    def stream(self, generation: Generation[CompletionRequest]) -> CompletionStream:
+        return CompletionStream(self, generation)
 
-    async def _complete(
-        self,
-        request_id: str,
-        request: CompletionRequest,
-        prompts: list[PromptAndParams],
-        streams: list[AsyncIterator[RequestOutput]],
+    def response(
+        self, generation: Generation[CompletionRequest], finals: list[RequestOutput]
     ) -> CompletionResponse:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        try:
-            async for index, output in self.merge(streams):
-                finals[index] = output
-        except Exception as exc:
-            raise engine_error(exc) from exc
+        request = generation.request
         choices = []
-        completion_tokens = cached_tokens = 0
+        completion_tokens = 0
         for index, final in enumerate(finals):
-            assert final is not None and final.finished
-            cached_tokens += final.num_cached_tokens or 0
-            if final.metrics is not None:
-                self.metrics.observe_finished(final.metrics)
             for completion in final.outputs:
                 delta = self._returned(completion, request)
                 completion_tokens += len(delta.token_ids)
                 if request.echo:
                     delta = self._with_prompt(final, delta)
-                choice_index = index * request.n + completion.index
-                choice = self._choice(choice_index, delta, completion, request)
+                choice = CompletionChoice(
+                    index=index * request.n + completion.index,
+                    text=delta.text,
+                    logprobs=self._logprobs(delta) if request.logprobs is not None else None,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
                 choice.prompt_logprobs = self.vllm_prompt_logprobs(final, request)
                 choices.append(choice)
+        cached_tokens = sum(final.num_cached_tokens or 0 for final in finals)
         return CompletionResponse(
-            id=request_id,
+            id=generation.request_id,
+            created=generation.created,
             model=request.model,
             choices=choices,
-            usage=usage(prompts, completion_tokens, cached_tokens),
+            usage=usage(generation.prompts, completion_tokens, cached_tokens),
         )
 
     @staticmethod
@@ -137,21 +126,6 @@ class CompletionServing(EngineServing):
             delta.text_offset,
         )
 
-    def _choice(
-        self,
-        index: int,
-        delta: Delta,
-        completion: CompletionOutput,
-        request: CompletionRequest,
-    ) -> CompletionChoice:
-        return CompletionChoice(
-            index=index,
-            text=delta.text,
-            logprobs=self._logprobs(delta) if request.logprobs is not None else None,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
@@ -177,16 +151,16 @@ class CompletionServing(EngineServing):
         return result
 
 
-class CompletionStream(StreamBuilder[CompletionServing, CompletionRequest, CompletionChunk]):
+class CompletionStream(ChunkStream[CompletionServing, CompletionRequest, CompletionChunk]):
     """A completions stream: one event per delta output of each choice (the engine holds back
     text that could still turn out to be a stop string). A choice's first event carries the
     echoed prompt and the prompt's logprobs when asked for."""
 
     chunk_type = CompletionChunk
 
-    def delta_chunk(
+    def delta_events(
         self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
-    ) -> CompletionChunk:
+    ) -> bytes:
         serving, request = self.serving, self.request
         delta = serving._returned(completion, request)
         choice.tokens += len(delta.token_ids)
@@ -200,10 +174,9 @@ class CompletionStream(StreamBuilder[CompletionServing, CompletionRequest, Compl
             stop_reason=completion.stop_reason,
         )
         if request.logprobs is not None:
-            logprobs = serving._logprobs(delta)
-            chunk_choice.logprobs = jsonable(logprobs)
+            logprobs = chunk_choice.logprobs = serving._logprobs(delta)
             if logprobs.tokens:
                 choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if not choice.started:
-            chunk_choice.prompt_logprobs = jsonable(serving.vllm_prompt_logprobs(output, request))
-        return self.chunk([chunk_choice])
+            chunk_choice.prompt_logprobs = serving.vllm_prompt_logprobs(output, request)
+        return self.event(self.chunk([chunk_choice], choice))

@@ -1,16 +1,19 @@
-"""What every generating route shares: the server's settings, request checks, engine
-parameters, submission, the merged output streams and the error contract."""
+"""What every generating route shares: the server's settings, the route's steps from request
+to response (`EngineServing.serve`), request checks, engine parameters, submission, the
+merged output streams and the error contract."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -31,12 +34,13 @@ from octavo.engine.structured_outputs import compile_grammar
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
-from octavo.server.stream_chunks import EventEncoder
+from octavo.server.streaming import EventEncoder, EventStreamResponse
 
 if TYPE_CHECKING:
     from octavo.engine.lora_request import LoRARequest
     from octavo.server.chat_template import ChatTemplate
     from octavo.server.lora_modules import LoRAModules
+    from octavo.server.stream_builder import StreamBuilder
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -46,6 +50,30 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps each logit_bias value to [-100, 100]
 
 logger = logging.getLogger(__name__)
 PromptAndParams = tuple[ProcessedPrompt, SamplingParams | BeamSearchParams]
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]  # `EngineServing.merge`'s
+
+
+class RouteRequest(Protocol):
+    """What the route's steps read of its request (a pydantic model)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def stream(self) -> bool | None: ...
+
+
+RequestT = TypeVar("RequestT", bound=RouteRequest)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation(Generic[RequestT]):
+    """A request whose prompts are queued: what its stream or its response is built from."""
+
+    request: RequestT
+    request_id: str
+    created: int  # when it was queued: the response's created (created_at)
+    prompts: list[PromptAndParams]
 
 
 @dataclass(frozen=True)
@@ -72,12 +100,14 @@ class ServerConfig:
     metrics_dir: str | None = None
 
 
-class EngineServing:
-    """The steps of a generating route around the AsyncEngine: check a request
-    (`check_request`), turn each prompt into engine inputs (`process`), queue them
-    (`submit`), read their outputs as they arrive (`merge`). Everything a client
-    can get wrong is an APIError (400/404/503) before any engine request is queued, or, if
-    the queue fills midway, after the ones already queued are aborted."""
+class EngineServing(ABC, Generic[RequestT]):
+    """A generating route around the AsyncEngine, one request at a time (`serve`): check it
+    and turn each prompt into engine inputs (the route's `preprocess`: `check_request`,
+    `compile_constraint`, `process`), queue them (`submit`), read their outputs as they
+    arrive (`merge`) into a stream (the route's `stream`) or one response (the route's
+    `response`). Everything a client can get wrong is an APIError (400/404/503) before any
+    engine request is queued, or, if the queue fills midway, after the ones already queued
+    are aborted."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
@@ -86,6 +116,47 @@ class EngineServing:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.events = EventEncoder()
+
+    # -- the route ---------------------------------------------------------------------------
+
+    request_id: Callable[[], str]  # a new response id, the route's (cmpl-..., chatcmpl-...)
+
+    async def serve(self, request: RequestT, raw_request: Request) -> Response:
+        """The response to one request: an SSE stream, or the JSON response once every
+        engine request has ended; a client that disconnects first (`raw_request` says so)
+        gets its requests aborted, as a stream's would be."""
+        prompts = await self.preprocess(request)
+        generation = Generation(request, self.request_id(), int(time.time()), prompts)
+        outputs = self.merge(self.submit(generation.request_id, prompts, request.model))
+        if request.stream:
+            return EventStreamResponse(self.stream(generation).events(outputs))
+        return await json_unless_disconnected(raw_request, self._respond(generation, outputs))
+
+    @abstractmethod
+    async def preprocess(self, request: RequestT) -> list[PromptAndParams]:
+        """The request checked, and its prompts as engine inputs."""
+
+    @abstractmethod
+    def stream(self, generation: Generation[RequestT]) -> StreamBuilder:
+        """The builder of the request's stream."""
+
+    @abstractmethod
+    def response(self, generation: Generation[RequestT], finals: list[RequestOutput]) -> BaseModel:
+        """The non-streamed response: `finals` holds each prompt's final output."""
+
+    async def _respond(self, generation: Generation[RequestT], outputs: Outputs) -> BaseModel:
+        ended: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in outputs:
+                ended[index] = output
+        except Exception as exc:
+            raise engine_error(exc) from exc
+        finals = [ended[index] for index in range(len(generation.prompts))]
+        for final in finals:
+            assert final.finished
+            if final.metrics is not None:
+                self.metrics.observe_finished(final.metrics)
+        return self.response(generation, finals)
 
     # -- validation --------------------------------------------------------------------------
 
@@ -166,18 +237,20 @@ class EngineServing:
 
     def process(self, request: GenerationRequest, prompt: str | list[int]) -> PromptAndParams:
         """Tokenizes and validates one prompt; max_tokens defaults to the room left in the
-        context, and a prompt plus max_tokens that overflow the context is a 400."""
+        context, and a prompt plus max_tokens that overflow the context is a 400. The echoed
+        text is the prompt as sent (vLLM's), even where truncate_prompt_tokens cut it."""
         max_tokens = request.max_new_tokens()
         try:
-            if max_tokens is None:  # validate with a placeholder, then fill the context
-                params = self.sampling_params(request, max(request.min_tokens, 1))
+            if max_tokens is None:
+                # Checked at the context's length: a sequence ends there either way, as it
+                # does at the room the prompt leaves, which is known once it is tokenized.
+                params = self.sampling_params(request, max(self.max_model_len, request.min_tokens))
             else:  # max_tokens 0 (an echoed prompt scored): one token computed, none returned
                 params = self.sampling_params(request, max(max_tokens, 1))
             processed = self.engine.process_inputs(prompt, params)
             room = self.max_model_len - len(processed.token_ids)
-            if max_tokens is None:
-                params = self.sampling_params(request, max(room, 1))
-                processed = self.engine.process_inputs(processed.token_ids, params)
+            if max_tokens is None:  # the dataclass checks min_tokens against it again
+                params = dataclasses.replace(params, max_tokens=max(room, 1))
             elif max_tokens > room:
                 raise ParameterError(
                     "max_tokens",
@@ -269,9 +342,7 @@ class EngineServing:
 
     # -- outputs -----------------------------------------------------------------------------
 
-    async def merge(
-        self, streams: list[AsyncIterator[RequestOutput]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def merge(self, streams: list[AsyncIterator[RequestOutput]]) -> Outputs:
         """Interleaves several output streams as outputs arrive, observing each one's
         inter-token latency; closing this generator (a client that went away) cancels them
         all, which aborts their requests."""

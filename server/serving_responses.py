@@ -4,21 +4,23 @@ Responses API's events."""
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from http import HTTPStatus
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
-from octavo.engine.frontend.outputs import RequestOutput
+from octavo.engine.frontend.async_engine import AsyncEngine
+from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.server.errors import APIError
+from octavo.server.metrics import ServerMetrics
+from octavo.server.protocol import Usage
 from octavo.server.responses_protocol import (
+    FunctionToolCall,
     IncompleteDetails,
     InputTokensDetails,
+    OutputMessage,
+    OutputText,
     ResponseError,
     ResponsesRequest,
     ResponsesResponse,
@@ -29,86 +31,70 @@ from octavo.server.responses_protocol import (
     responses_message,
     responses_param,
 )
-from octavo.server.serving_chat import ChatServing
+from octavo.server.serving_chat import ChatServing, no_chat_template
 from octavo.server.serving_engine import (
+    EngineServing,
+    Generation,
     PromptAndParams,
-    engine_error,
-    json_unless_disconnected,
+    ServerConfig,
     usage,
 )
-from octavo.server.streaming import EventStreamResponse
+from octavo.server.stream_builder import ChoiceState, StreamBuilder
 from octavo.server.tool_calls import MessageDelta
 
 # What a stream's events are handed to: the event's type and its fields.
 Emit = Callable[[str, dict[str, Any]], None]
+ItemStatus = Literal["completed", "incomplete"]  # of an item that ended
 MAX_OUTPUT_TOKENS = IncompleteDetails(reason="max_output_tokens")
 ABORTED = ResponseError(code="server_error", message="the response was aborted before it ended")
 
 
-class ResponsesServing(ChatServing):
+class ResponsesServing(EngineServing[ResponsesRequest]):
     """The Responses route over the chat machinery: a request's chat request is checked,
-    rendered by the chat template and processed as a chat request is, then completed as one
-    engine request (one choice), whose text the request's tool-call parser reads into output
-    items (`OutputItems`). Errors name the Responses fields (`in_responses_terms`). The
-    route's handler is `create_response` (the inherited `create` answers chat requests)."""
+    rendered by the chat template and processed as the chat route does it (`self.chat`),
+    then completed as one engine request (one choice), whose text the request's tool-call
+    parser reads into output items (`OutputItems`). Errors name the Responses fields
+    (`in_responses_terms`)."""
 
-    async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
-        """The response to one request; a non-streamed request whose client disconnects is
-        aborted like a stream whose client left."""
-        template = self.config.chat_template
-        if template is None:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                "this model has no chat template, so it cannot serve /v1/responses: start the "
-                "server with --chat-template FILE_OR_STRING (a Jinja chat template), or use "
-                "/v1/completions",
-            )
-        chat = request.chat_request()
+    request_id = staticmethod(response_id)
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+        super().__init__(engine, config, metrics)
+        self.chat = ChatServing(engine, config, metrics)
+
+    async def create_responses(self, request: ResponsesRequest, raw_request: Request) -> Response:
         try:
-            self._check_supported(chat)
-            await self.compile_constraint(chat)
-            prompts = [self.process(chat, self._render(template, chat))]
+            return await self.serve(request, raw_request)
         except APIError as exc:
             raise in_responses_terms(exc) from exc
-        id_, created_at = response_id(), int(time.time())
-        streams = self.submit(id_, prompts, chat.model)
-        if chat.stream:
-            stream = ResponseStream(self, request, id_, created_at, prompts)
-            return EventStreamResponse(stream.events(self.merge(streams)))
-        work = self._complete_response(request, id_, created_at, prompts, streams)
-        return await json_unless_disconnected(raw_request, work)
 
-    async def _complete_response(
-        self,
-        request: ResponsesRequest,
-        id_: str,
-        created_at: int,
-        prompts: list[PromptAndParams],
-        streams: list[AsyncIterator[RequestOutput]],
+    async def preprocess(self, request: ResponsesRequest) -> list[PromptAndParams]:
+        if self.config.chat_template is None:
+            raise no_chat_template("/v1/responses")
+        return await self.chat.preprocess(request.chat_request())
+
+    def stream(self, generation: Generation[ResponsesRequest]) -> ResponseStream:
+        return ResponseStream(self, generation)
+
+    def response(
+        self, generation: Generation[ResponsesRequest], finals: list[RequestOutput]
     ) -> ResponsesResponse:
-        final: RequestOutput | None = None
-        try:
-            async for _, output in self.merge(streams):
-                final = output
-        except Exception as exc:
-            raise in_responses_terms(engine_error(exc)) from exc
-        assert final is not None and final.finished
-        if final.metrics is not None:
-            self.metrics.observe_finished(final.metrics)
+        request = generation.request
+        [final] = finals
         [completion] = final.outputs
-        parser = self.tool_parser(request.chat_request())
+        parser = self.chat.tool_parser(request.chat_request())
         items = OutputItems()
         items.read(parser.feed(completion.text))
         items.read(parser.finish())
         state = final_state(completion.finish_reason)
         items.close(item_status(state))
+        counts = usage(generation.prompts, len(completion.token_ids), final.num_cached_tokens or 0)
         return ResponsesResponse.of(
             request,
-            id_,
-            created_at,
-            request.model,
+            generation.request_id,
+            generation.created,
             output=items.items,
-            usage=responses_usage(prompts, len(completion.token_ids), final.num_cached_tokens),
+            usage=responses_usage(counts),
             **state,
         )
 
@@ -135,18 +121,18 @@ def final_state(finish_reason: str | None) -> dict[str, Any]:
     return {"status": "completed"}
 
 
-def item_status(state: dict[str, Any]) -> str:
+def item_status(state: dict[str, Any]) -> ItemStatus:
     """The status of the item a response ended in: cut short unless it completed."""
     return "completed" if state["status"] == "completed" else "incomplete"
 
 
-def responses_usage(
-    prompts: list[PromptAndParams], output_tokens: int, cached_tokens: int | None
-) -> ResponseUsage:
-    counts = usage(prompts, output_tokens, cached_tokens or 0)
+def responses_usage(counts: Usage) -> ResponseUsage:
+    """Token counts in the Responses API's terms."""
+    assert counts.prompt_tokens_details is not None, "usage() counts the cached tokens"
+    cached_tokens = counts.prompt_tokens_details.cached_tokens
     return ResponseUsage(
         input_tokens=counts.prompt_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens or 0),
+        input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
         output_tokens=counts.completion_tokens,
         total_tokens=counts.total_tokens,
     )
@@ -159,40 +145,39 @@ class OutputItems:
     one begins, or at `close` (with the response's status). Within one delta, content comes
     before calls, so a non-streamed response (one delta) has its text first.
 
-    `emit`, when given, hears the stream events of each step, with the item dicts as they
-    stand (it must encode them at once: they grow)."""
+    `emit`, when given, hears the stream events of each step, with the items as they stand
+    (it must encode them at once: they grow)."""
 
     def __init__(self, emit: Emit | None = None):
-        self.items: list[dict[str, Any]] = []  # JSON-ready, in the response's shape
+        self.items: list[OutputMessage | FunctionToolCall] = []
         self._emit = emit
-        self._open: dict[str, Any] | None = None  # the last item, while it grows
+        self._open: OutputMessage | FunctionToolCall | None = None  # the last, while it grows
         self._pieces: list[str] = []  # its text or arguments so far
         self._call_index = -1  # the parser's index of the open call
 
     def read(self, delta: MessageDelta) -> None:
         if delta.content:
-            if self._open is None or self._open["type"] != "message":
-                self._begin({"type": "message", "id": message_id(), "status": "in_progress",
-                             "role": "assistant", "content": []})  # fmt: skip
+            if not isinstance(self._open, OutputMessage):
+                self._begin(OutputMessage(id=message_id(), status="in_progress", content=[]))
             self._pieces.append(delta.content)
             self._send("response.output_text.delta", content_index=0, delta=delta.content,
                        logprobs=[])  # fmt: skip
         for call in delta.tool_calls:
             if call.id is not None:  # a new call: its id and name come first
-                self._begin({"type": "function_call", "id": function_call_id(),
-                             "call_id": call.id, "name": call.name or "", "arguments": "",
-                             "status": "in_progress"})  # fmt: skip
+                self._begin(FunctionToolCall(id=function_call_id(), call_id=call.id,
+                                             name=call.name or "", arguments="",
+                                             status="in_progress"))  # fmt: skip
                 self._call_index = call.index
             assert call.index == self._call_index, "a parser's fragments extend its last call"
             if call.arguments:
                 self._pieces.append(call.arguments)
                 self._send("response.function_call_arguments.delta", delta=call.arguments)
 
-    def close(self, status: str) -> None:
+    def close(self, status: ItemStatus) -> None:
         """Ends the last item with `status` ("incomplete": the output was cut short)."""
         self._end(status)
 
-    def _begin(self, item: dict[str, Any]) -> None:
+    def _begin(self, item: OutputMessage | FunctionToolCall) -> None:
         self._end("completed")
         self._open = item
         self.items.append(item)
@@ -200,136 +185,104 @@ class OutputItems:
             self._emit(
                 "response.output_item.added", {"output_index": len(self.items) - 1, "item": item}
             )
-            if item["type"] == "message":
-                self._send("response.content_part.added", content_index=0, part=_text_part(""))
+            if isinstance(item, OutputMessage):
+                self._send("response.content_part.added", content_index=0, part=OutputText(text=""))
 
-    def _end(self, status: str) -> None:
+    def _end(self, status: ItemStatus) -> None:
         item = self._open
         if item is None:
             return
         self._open = None
         text = "".join(self._pieces)
         self._pieces = []
-        if item["type"] == "message":
-            item["content"] = [_text_part(text)]
+        if isinstance(item, OutputMessage):
+            item.content = [OutputText(text=text)]
         else:
-            item["arguments"] = text
-        item["status"] = status
+            item.arguments = text
+        item.status = status
         if self._emit is None:
             return
-        if item["type"] == "message":
+        if isinstance(item, OutputMessage):
             self._send("response.output_text.done", content_index=0, text=text, logprobs=[],
                        item=item)  # fmt: skip
-            self._send("response.content_part.done", content_index=0, part=item["content"][0],
+            self._send("response.content_part.done", content_index=0, part=item.content[0],
                        item=item)  # fmt: skip
         else:
-            self._send("response.function_call_arguments.done", name=item["name"],
+            self._send("response.function_call_arguments.done", name=item.name,
                        arguments=text, item=item)  # fmt: skip
         self._emit("response.output_item.done", {"output_index": len(self.items) - 1, "item": item})
 
-    def _send(self, type_: str, item: dict[str, Any] | None = None, **fields: Any) -> None:
+    def _send(self, type_: str, item: OutputMessage | FunctionToolCall | None = None,
+              **fields: Any) -> None:  # fmt: skip
         """An event about the open item (or `item`, as it ends): its id and index first."""
         if self._emit is None:
             return
         item = item if item is not None else self._open
         assert item is not None
-        self._emit(type_, {"item_id": item["id"], "output_index": len(self.items) - 1, **fields})
+        self._emit(type_, {"item_id": item.id, "output_index": len(self.items) - 1, **fields})
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
+class ResponseStream(StreamBuilder[ResponsesServing, ResponsesRequest]):
+    """One streamed response: response.created and response.in_progress at once, then the
+    output items' events as the engine's outputs arrive (`OutputItems`), then
+    response.completed (or response.incomplete, response.failed: `final_state`) carrying the
+    whole response. Each event is `event: <type>` and `data: <JSON>` with a sequence_number
+    (0, 1, ...). No `[DONE]` follows: OpenAI sends none. An exception from the outputs is an
+    `error` event and response.failed (the item it cut short incomplete)."""
 
-
-class ResponseStream:
-    """One streamed response, as the bytes its EventStreamResponse sends: response.created
-    and response.in_progress at once, then the output items' events as the engine's outputs
-    arrive (`OutputItems`), then response.completed (or response.incomplete, response.failed:
-    `final_state`) carrying the whole response. Each event is `event: <type>` and
-    `data: <JSON>` with a sequence_number (0, 1, ...); the events of one output leave in one
-    item. No `[DONE]` follows: OpenAI sends none.
-
-    An exception from the outputs ends the stream with an `error` event and response.failed
-    (the item it cut short incomplete), never a cut-off stream. Closing the stream (a client
-    that went away) closes the outputs, which aborts the request."""
-
-    def __init__(
-        self,
-        serving: ResponsesServing,
-        request: ResponsesRequest,
-        id_: str,
-        created_at: int,
-        prompts: list[PromptAndParams],
-    ):
-        self.serving = serving
-        self.request = request
-        self.id = id_
-        self.created_at = created_at
-        self.prompts = prompts
+    def __init__(self, *args: Any):
+        super().__init__(*args)
         self.items = OutputItems(self._event)
-        self._encoder = msgspec.json.Encoder()
+        self._parser = self.serving.chat.tool_parser(self.request.chat_request())
+        self._finish_reason: str | None = None
         self._sequence_number = 0
         self._pending: list[bytes] = []  # encoded events not yet sent
 
-    async def events(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncGenerator[bytes, None]:
-        """The stream of `outputs` (`EngineServing.merge`'s, of one engine request)."""
+    def opening(self) -> bytes:
         opening = self._response(status="in_progress")
         self._event("response.created", {"response": opening})
         self._event("response.in_progress", {"response": opening})
-        yield self._flush()
-        parser = self.serving.tool_parser(self.request.chat_request())
-        output_tokens, cached_tokens, finish_reason = 0, None, None
-        try:
-            # Closed here, not when collected: its close aborts the request. (`merge` is an
-            # async generator, annotated as the iterator it is to its other readers.)
-            async with contextlib.aclosing(outputs):  # type: ignore[type-var]
-                async for _, output in outputs:
-                    if output.num_cached_tokens is not None:
-                        cached_tokens = output.num_cached_tokens
-                    for completion in output.outputs:
-                        output_tokens += len(completion.token_ids)
-                        self.items.read(parser.feed(completion.text))
-                        if completion.finish_reason is not None:
-                            self.items.read(parser.finish())
-                            finish_reason = completion.finish_reason
-                    if output.finished and output.metrics is not None:
-                        self.serving.metrics.observe_finished(output.metrics)
-                    if self._pending:
-                        yield self._flush()
-        except Exception as exc:  # the client still sees the stream end, with the error
-            error = in_responses_terms(engine_error(exc))
-            self.items.close("incomplete")
-            self._event(
-                "error",
-                {"code": error.body().error.type, "message": error.message, "param": error.param},
-            )
-            failure = ResponseError(code="server_error", message=error.message)
-            failed = self._response(status="failed", error=failure, output=self.items.items)
-            self._event("response.failed", {"response": failed})
-            yield self._flush()
-            return
-        state = final_state(finish_reason)
+        return self._flush()
+
+    def delta_events(
+        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
+    ) -> bytes:
+        choice.tokens += len(completion.token_ids)
+        self.items.read(self._parser.feed(completion.text))
+        if completion.finish_reason is not None:
+            self.items.read(self._parser.finish())
+            self._finish_reason = completion.finish_reason
+        return self._flush()
+
+    def closing(self) -> bytes:
+        state = final_state(self._finish_reason)
         self.items.close(item_status(state))
         response = self._response(
-            output=self.items.items,
-            usage=responses_usage(self.prompts, output_tokens, cached_tokens),
-            **state,
+            output=self.items.items, usage=responses_usage(self.usage()), **state
         )
         self._event(f"response.{state['status']}", {"response": response})
-        yield self._flush()
+        return self._flush()
 
-    def _response(self, **state: Any) -> dict[str, Any]:
-        """The response object as it stands (`state`: status, output, ...), JSON-ready."""
-        model = self.request.model  # the base's name, or an adapter's
-        response = ResponsesResponse.of(self.request, self.id, self.created_at, model, **state)
-        return response.model_dump(mode="json")
+    def failure(self, error: APIError) -> bytes:
+        error = in_responses_terms(error)
+        self.items.close("incomplete")
+        self._event(
+            "error",
+            {"code": error.body().error.type, "message": error.message, "param": error.param},
+        )
+        failure = ResponseError(code="server_error", message=error.message)
+        failed = self._response(status="failed", error=failure, output=self.items.items)
+        self._event("response.failed", {"response": failed})
+        return self._flush()
+
+    def _response(self, **state: Any) -> ResponsesResponse:
+        """The response object as it stands (`state`: status, output, ...)."""
+        return ResponsesResponse.of(self.request, self.request_id, self.created, **state)
 
     def _event(self, type_: str, fields: dict[str, Any]) -> None:
         event = {"type": type_, **fields, "sequence_number": self._sequence_number}
         self._sequence_number += 1
-        data = self._encoder.encode(event)
-        self._pending.append(b"event: %s\ndata: %s\n\n" % (type_.encode(), data))
+        self._pending.append(self.event(event, type_))
 
     def _flush(self) -> bytes:
         sent = b"".join(self._pending)

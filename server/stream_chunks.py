@@ -1,11 +1,12 @@
-"""The chunks of a streamed response, as msgspec Structs: what every SSE event encodes.
+"""The chunks of a streamed completion or chat completion, as msgspec Structs: what every
+SSE event of those streams encodes (`streaming.EventEncoder`).
 
 A stream's chunk is built and encoded once per event, so it is a Struct (encoded in well
 under a microsecond) rather than a pydantic model (several microseconds: validation on
 construction, then its serializer). The fields, their order and their nulls are the
 OpenAI shapes the non-streamed responses have (`CompletionResponse` in protocol.py); the
-parts only some requests ask for (logprobs, usage, prompt_logprobs) are built as the
-pydantic models and carried here as their JSON-ready data (`jsonable`).
+parts only some requests ask for (logprobs, usage, prompt_logprobs) are the pydantic models
+of those responses, which the encoder writes as their JSON-ready data.
 """
 
 from __future__ import annotations
@@ -13,15 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from pydantic_core import to_jsonable_python
 
-# A nested part as JSON-ready data: a pydantic model (or a list/dict of them) dumped.
-Jsonable = Any
-
-
-def jsonable(value: Any) -> Jsonable:
-    """A pydantic model, or lists and dicts of them, as plain JSON-ready data."""
-    return to_jsonable_python(value)
+# A nested part: a pydantic model, a list or dict of them, or None.
+Part = Any
 
 
 class CompletionChunkChoice(msgspec.Struct, kw_only=True, gc=False):
@@ -29,10 +24,10 @@ class CompletionChunkChoice(msgspec.Struct, kw_only=True, gc=False):
 
     index: int
     text: str
-    logprobs: Jsonable = None
+    logprobs: Part = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: Jsonable = None
+    prompt_logprobs: Part = None
 
 
 class CompletionChunk(msgspec.Struct, kw_only=True):
@@ -43,7 +38,7 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[CompletionChunkChoice]
-    usage: Jsonable = None
+    usage: Part = None
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, gc=False):
@@ -53,13 +48,13 @@ class ChatDelta(msgspec.Struct, kw_only=True, gc=False):
 
     role: str | None = None
     content: str | None = None
-    tool_calls: Jsonable | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: Part | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True, gc=False):
     index: int
     delta: ChatDelta
-    logprobs: Jsonable = None
+    logprobs: Part = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -73,19 +68,6 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Jsonable = None
+    usage: Part = None
     system_fingerprint: str | None = None
-    prompt_logprobs: Jsonable = None
-
-
-Chunk = CompletionChunk | ChatCompletionChunk
-
-
-class EventEncoder:
-    """Frames chunks as SSE events: `data: <json>` and a blank line, as bytes."""
-
-    def __init__(self) -> None:
-        self._encoder = msgspec.json.Encoder()
-
-    def event(self, chunk: Chunk) -> bytes:
-        return b"data: %s\n\n" % self._encoder.encode(chunk)
+    prompt_logprobs: Part = None

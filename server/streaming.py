@@ -1,18 +1,39 @@
-"""Server-sent events: the response that carries them, their framing, and the delta of one
-choice that an event carries."""
+"""Server-sent events: the response that carries them, and their framing (`EventEncoder`),
+which every stream of the server shares."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel
+import msgspec
+from pydantic_core import to_jsonable_python
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+# What ends a completions or chat stream (the Responses API sends none).
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class EventEncoder:
+    """Frames payloads as SSE events, as bytes: `data: <JSON>` and a blank line, after an
+    `event: <type>` line when the event names its type (the Responses API's).
+
+    The JSON is msgspec's: a stream's chunks are msgspec Structs, encoded in well under a
+    microsecond; a pydantic model (the parts only some events carry: logprobs, usage, an
+    error, a response object) is encoded as its JSON-ready data, the bytes pydantic's own
+    serializer writes."""
+
+    def __init__(self) -> None:
+        self._encode = msgspec.json.Encoder(enc_hook=to_jsonable_python).encode
+
+    def event(self, payload: Any, type_: str | None = None) -> bytes:
+        data = self._encode(payload)
+        if type_ is None:
+            return b"data: %s\n\n" % data
+        return b"event: %s\ndata: %s\n\n" % (type_.encode(), data)
 
 
 class EventStreamResponse(Response):
@@ -61,20 +82,3 @@ async def _disconnect(receive: Receive) -> None:
     """Returns when the client disconnects (the request's body has been read already)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def sse_event(payload: BaseModel) -> bytes:
-    """One SSE event of a pydantic payload (an error): `data: <json>` and a blank line."""
-    return b"data: %s\n\n" % payload.model_dump_json().encode()
-
-
-@dataclass
-class Delta:
-    """What one event adds to a choice (the engine's delta output, placed in the choice)."""
-
-    text: str
-    token_ids: list[int]
-    # Per token {token_id: logprob}, the token first; None for a token without any (the
-    # first of an echoed prompt). None as a whole when logprobs were not asked for.
-    logprobs: list[dict[int, float] | None] | None
-    text_offset: int  # where the first token's text starts in the choice's logprobs text

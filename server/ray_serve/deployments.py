@@ -38,7 +38,7 @@ from octavo.server.ray_serve.messages import (
 from octavo.server.ray_serve.replica_metrics import PUBLISH_PERIOD_S, ReplicaMetrics
 from octavo.server.ray_serve.routing import routing_key
 from octavo.server.server_args import ServerArgs
-from octavo.server.streaming import SSE_DONE, sse_event
+from octavo.server.streaming import SSE_DONE, EventEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ async def _body(stream: DeploymentResponseGenerator, sse: bool) -> AsyncIterator
     except RayError as exc:
         logger.warning("replica failed mid-response: %s", exc)
         if sse:
-            yield sse_event(_replica_failed(exc).body())
+            yield EventEncoder().event(_replica_failed(exc).body())
             yield SSE_DONE
     finally:
         stream.cancel()

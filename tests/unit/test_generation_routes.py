@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
 from octavo.server.errors import APIError
-from octavo.server.generation_routes import GenerationRoute, GenerationRoutes
+from octavo.server.generation_routes import GenerationRoute, add_generation_routes
 from tests.server.openai_errors import assert_error
 
 
@@ -35,9 +35,7 @@ def authorize(request: Request) -> None:
 @pytest.fixture(scope="module")
 def client() -> TestClient:
     app = FastAPI()
-    app.add_middleware(
-        GenerationRoutes, routes=[GenerationRoute("/echo", "echo", Echo, echo)], authorize=authorize
-    )
+    add_generation_routes(app, [GenerationRoute("/echo", "echo", echo)], authorize)
 
     @app.get("/other")
     async def other() -> dict:
@@ -123,11 +121,8 @@ def test_other_methods_are_405_saying_post_is_allowed(client, method):
     assert response.headers["allow"] == "POST"
 
 
-def test_the_route_is_documented_with_its_body_schema():
-    route = GenerationRoute("/echo", "echo", Echo, echo).openapi_route()
-    app = FastAPI()
-    app.router.routes.append(route)
-    operation = app.openapi()["paths"]["/echo"]["post"]
+def test_the_route_is_documented_with_its_body_schema(client):
+    operation = client.get("/openapi.json").json()["paths"]["/echo"]["post"]
     assert operation["operationId"] == "echo_echo_post"
     schema = operation["requestBody"]["content"]["application/json"]["schema"]
     assert schema == {"$ref": "#/components/schemas/Echo"}

@@ -23,17 +23,15 @@ from octavo.server.protocol import (
 )
 from octavo.server.serving_chat import ChatServing, ChatStream
 from octavo.server.serving_completion import CompletionServing, CompletionStream
-from octavo.server.serving_engine import ServerConfig
+from octavo.server.serving_engine import Generation, ServerConfig
 from octavo.server.stream_chunks import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
     CompletionChunk,
     CompletionChunkChoice,
-    EventEncoder,
-    jsonable,
 )
-from octavo.server.streaming import SSE_DONE, sse_event
+from octavo.server.streaming import SSE_DONE, EventEncoder
 from tests.sse import parse_sse
 
 
@@ -54,7 +52,8 @@ def test_an_event_carries_its_payload_whole_to_an_sse_parser(text):
         id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text=text)]
     )
     second = first.model_copy(update={"id": "cmpl-2"})
-    events = parse_sse(sse_event(first) + sse_event(second) + SSE_DONE)
+    encoder = EventEncoder()
+    events = parse_sse(encoder.event(first) + encoder.event(second, "named") + SSE_DONE)
     assert len(events) == 3
     assert [json.loads(e) for e in events[:2]] == [
         first.model_dump(mode="json"),
@@ -93,14 +92,10 @@ def test_a_completion_chunk_encodes_as_the_completion_response_does(fields, usag
     for the same content; a field added to one shape and not the other fails here."""
     choice = CompletionChoice(index=2, **fields)
     expected = CompletionResponse(id="cmpl-9", created=7, model="m", choices=[choice], usage=usage)
-    struct_choice = CompletionChunkChoice(
-        index=2, **{k: jsonable(v) if k.endswith("logprobs") else v for k, v in fields.items()}
-    )
-    chunk = CompletionChunk(
-        id="cmpl-9", created=7, model="m", choices=[struct_choice], usage=jsonable(usage)
-    )
+    struct_choice = CompletionChunkChoice(index=2, **fields)
+    chunk = CompletionChunk(id="cmpl-9", created=7, model="m", choices=[struct_choice], usage=usage)
     event = EventEncoder().event(chunk)
-    assert event == sse_event(expected)
+    assert event == b"data: %s\n\n" % expected.model_dump_json().encode()
 
 
 def test_a_chat_chunk_has_openais_chat_completion_chunk_shape():
@@ -112,7 +107,7 @@ def test_a_chat_chunk_has_openais_chat_completion_chunk_shape():
         created=7,
         model="m",
         choices=[ChatChunkChoice(index=0, delta=ChatDelta(content="hi"), finish_reason="stop")],
-        usage=jsonable(USAGE),
+        usage=USAGE,
     )
     event = EventEncoder().event(chunk)
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
@@ -167,7 +162,9 @@ def test_a_completion_stream_sends_each_output_then_usage_then_done():
         {"model": "m", "prompt": [1, 2, 3], "n": 2, "stream": True,
          "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     )  # fmt: skip
-    stream = CompletionStream(_serving(CompletionServing), "cmpl-1", request, PROMPTS)
+    stream = CompletionStream(
+        _serving(CompletionServing), Generation(request, "cmpl-1", 7, PROMPTS)
+    )
     first = _output(0, " a", [7], cached=2)
     first.outputs.append(CompletionOutput(1, " b", [8], None, None))
     outputs = [first, _output(1, " c", [9, 0], "stop", 0), _output(0, "d", [5], "length")]
@@ -186,7 +183,7 @@ def test_a_completion_stream_sends_each_output_then_usage_then_done():
         "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
     }  # fmt: skip
-    assert {chunk["id"] for chunk in sum(events[:3], [])} == {"cmpl-1"}
+    assert {(chunk["id"], chunk["created"]) for chunk in sum(events[:3], [])} == {("cmpl-1", 7)}
 
 
 def test_a_chat_stream_opens_with_each_choices_role_and_ends_an_error_with_done():
@@ -195,7 +192,7 @@ def test_a_chat_stream_opens_with_each_choices_role_and_ends_an_error_with_done(
     request = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}
     )
-    stream = ChatStream(_serving(ChatServing), "chatcmpl-1", request, PROMPTS)
+    stream = ChatStream(_serving(ChatServing), Generation(request, "chatcmpl-1", 7, PROMPTS))
     outputs = [_output(1, "x", [4]), RequestFailedError("boom")]
     items = asyncio.run(_items(stream.events, outputs))
     roles, delta, error = (_chunks(item) for item in items)

@@ -276,5 +276,5 @@ def test_a_model_without_a_template_answers_400_naming_the_flag():
     serving = ChatServing(engine, ServerConfig(served_model_name="m"), metrics=None)  # type: ignore[arg-type]
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES})
     with pytest.raises(APIError) as raised:
-        asyncio.run(serving.create(request, raw_request=None))  # type: ignore[arg-type]
+        asyncio.run(serving.create_chat_completion(request, raw_request=None))  # type: ignore[arg-type]
     assert raised.value.status == 400 and "--chat-template" in raised.value.message

@@ -25,7 +25,7 @@ from octavo.engine.frontend.async_engine import EngineStoppedError
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.server.errors import APIError
 from octavo.server.responses_protocol import ResponsesRequest
-from octavo.server.serving_engine import ServerConfig
+from octavo.server.serving_engine import Generation, ServerConfig
 from octavo.server.serving_responses import ResponsesServing, ResponseStream
 from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME
 from tests.server.inprocess.test_fuzz import (
@@ -419,7 +419,7 @@ def test_a_model_without_a_template_answers_400_naming_the_flag():
     serving = ResponsesServing(engine, ServerConfig(served_model_name="m"), metrics=None)  # type: ignore[arg-type]
     request = ResponsesRequest.model_validate({"model": "m", "input": QUESTION})
     with pytest.raises(APIError) as raised:
-        asyncio.run(serving.create_response(request, raw_request=None))  # type: ignore[arg-type]
+        asyncio.run(serving.create_responses(request, raw_request=None))  # type: ignore[arg-type]
     assert raised.value.status == 400 and "--chat-template" in raised.value.message
 
 
@@ -432,7 +432,7 @@ def _stream_of(outputs) -> list[dict]:
     prompts = [(SimpleNamespace(token_ids=[1, 2, 3]), None)]
 
     async def read() -> bytes:
-        stream = ResponseStream(serving, request, "resp_1", 0, prompts)  # type: ignore[arg-type]
+        stream = ResponseStream(serving, Generation(request, "resp_1", 0, prompts))  # type: ignore[arg-type]
         return b"".join([chunk async for chunk in stream.events(outputs())])
 
     return sse_events(asyncio.run(read()))
