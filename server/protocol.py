@@ -88,6 +88,17 @@ def check_unicode(value: Any, field: str) -> None:
             check_unicode(item, field)
 
 
+def valid_unicode(*fields: str) -> Any:
+    """A field validator (`_valid_unicode = valid_unicode(...)` in a model): every string
+    of `fields` is valid Unicode (`check_unicode`, naming the field)."""
+
+    def check(cls, value, info):
+        check_unicode(value, info.field_name)
+        return value
+
+    return field_validator(*fields)(check)
+
+
 class JsonSchemaFormat(BaseModel):
     """OpenAI's response_format.json_schema: the schema the output must validate against."""
 
@@ -99,11 +110,7 @@ class JsonSchemaFormat(BaseModel):
     # Octavo always enforces the schema (as llguidance compiles it): strict changes nothing.
     strict: bool | None = None
 
-    @field_validator("schema_", "name", "description")
-    @classmethod
-    def _valid_unicode(cls, value, info):
-        check_unicode(value, info.field_name)
-        return value
+    _valid_unicode = valid_unicode("schema_", "name", "description")
 
 
 class ResponseFormat(BaseModel):
@@ -280,14 +287,10 @@ class GenerationRequest(BaseModel, ABC):
         check_unicode(value, "stop")
         return value
 
-    @field_validator(
+    _valid_unicode = valid_unicode(
         "model", "user", "logit_bias", "bad_words", "guided_json", "guided_regex",
         "guided_choice", "guided_grammar",
     )  # fmt: skip
-    @classmethod
-    def _valid_unicode(cls, value, info):
-        check_unicode(value, info.field_name)
-        return value
 
     # -- what the engine is asked for (the two APIs name some of these differently) ---------
 
@@ -332,6 +335,8 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     suffix: str | None = None
 
+    _suffix_unicode = valid_unicode("suffix")
+
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, value):
@@ -342,12 +347,6 @@ class CompletionRequest(GenerationRequest):
         if many and not isinstance(value[0], int):
             raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
         check_unicode(value, "prompt")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix_unicode(cls, value):
-        check_unicode(value, "suffix")
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -509,11 +508,7 @@ class _TokenizationRequest(BaseModel):
 
     model: str | None = None
 
-    @field_validator("*")
-    @classmethod
-    def _valid_unicode(cls, value, info):
-        check_unicode(value, info.field_name)
-        return value
+    _valid_unicode = valid_unicode("*")
 
 
 class TokenizeRequest(_TokenizationRequest):

@@ -42,7 +42,7 @@ from octavo.server.protocol import (
     Seed,
     StructuredOutputsRequest,
     TopK,
-    check_unicode,
+    valid_unicode,
 )
 from octavo.server.tool_calls import MAX_TOOLS, FunctionDefinition
 
@@ -346,11 +346,7 @@ class ResponsesRequest(BaseModel):
                 )
         return value
 
-    @field_validator("instructions", "metadata")
-    @classmethod
-    def _valid_unicode(cls, value, info):
-        check_unicode(value, info.field_name)
-        return value
+    _valid_unicode = valid_unicode("instructions", "metadata")
 
     @field_validator("metadata")
     @classmethod

@@ -315,13 +315,13 @@ class EngineServing(ABC, Generic[RequestT]):
         )
 
     def submit(
-        self, request_id: str, prompts: list[PromptAndParams], model: str | None = None
+        self, request_id: str, prompts: list[PromptAndParams], model: str
     ) -> list[AsyncIterator]:
         """Queues one engine request per prompt (`{request_id}-{i}`), under the LoRA
-        adapter `model` names (None or the base's name: the base); their output streams.
-        A full queue or a stopped engine is a 503 and leaves nothing queued."""
+        adapter `model` names (the base's name: the base); their output streams. A full
+        queue or a stopped engine is a 503 and leaves nothing queued."""
         arrival = time.monotonic()
-        lora_request = None if model is None else self.lora_request(model)
+        lora_request = self.lora_request(model)
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(prompts):

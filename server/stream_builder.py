@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
 from octavo.server.errors import APIError
-from octavo.server.protocol import GenerationRequest, Usage
+from octavo.server.protocol import GenerationRequest, StreamOptions, Usage
 from octavo.server.serving_engine import (
     EngineServing,
     Generation,
@@ -142,11 +142,9 @@ class ChunkStream(
         request = generation.request
         self.n = request.n
         self.model = request.model  # the base's name, or an adapter's
-        options = request.stream_options
-        self.include_usage = options is not None and options.include_usage
-        self.continuous_usage = (
-            self.include_usage and options is not None and options.continuous_usage_stats
-        )
+        options = request.stream_options or StreamOptions()
+        self.include_usage = options.include_usage
+        self.continuous_usage = options.include_usage and options.continuous_usage_stats
 
     def chunk(self, choices: list, choice: ChoiceState | None = None) -> ChunkT:
         """A chunk of this stream with `choices` (the chunk type's), the usage of `choice`
