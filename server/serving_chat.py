@@ -42,11 +42,72 @@ def no_chat_template(route: str) -> APIError:
     )
 
 
+class ChatStream(ChunkStream["ChatServing", ChatCompletionRequest, ChatCompletionChunk]):
+    """A chat stream, as OpenAI's: each choice's first chunk carries the role, then one chunk
+    per delta output of a choice, the last with its finish_reason. The prompt's logprobs,
+    when asked for, come once, with the first output. With tools, each choice's text goes
+    through its tool-call parser: a chunk carries the content and tool-call deltas it
+    released."""
+
+    chunk_type = ChatCompletionChunk
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._prompt_scored = False  # whether the prompt's logprobs are out
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, from its first output
+        self._called: set[int] = set()  # the choices that called a tool
+
+    def opening(self) -> bytes:
+        role = ChatDelta(role="assistant", content="")
+        return b"".join(
+            self.event(self.chunk([ChatChunkChoice(index=index, delta=role)]))
+            for index in range(self.n)
+        )
+
+    def delta_events(
+        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
+    ) -> bytes:
+        serving, request = self.serving, self.request
+        choice.tokens += len(completion.token_ids)
+        delta = ChatDelta(content=completion.text)
+        reason = completion.finish_reason
+        if request.tools:
+            delta, reason = self._tool_delta(completion, choice.index)
+        chunk_choice = ChatChunkChoice(
+            index=choice.index,
+            delta=delta,
+            logprobs=serving._logprobs(completion, request),
+            finish_reason=reason,
+            stop_reason=completion.stop_reason,
+        )
+        chunk = self.chunk([chunk_choice], choice)
+        if not self._prompt_scored:
+            chunk.prompt_logprobs = serving.vllm_prompt_logprobs(output, request)
+            self._prompt_scored = True
+        return self.event(chunk)
+
+    def _tool_delta(self, completion: CompletionOutput, index: int) -> tuple[ChatDelta, str | None]:
+        """The delta and finish_reason of a choice's output read by its tool-call parser."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self.serving.tool_parser(self.request)
+        parts = [parser.feed(completion.text)]
+        if completion.finish_reason is not None:
+            parts.append(parser.finish())
+        calls = [call.jsonable() for part in parts for call in part.tool_calls]
+        if calls:
+            self._called.add(index)
+        content = "".join(part.content for part in parts)
+        delta = ChatDelta(content=content or None, tool_calls=calls or msgspec.UNSET)
+        return delta, finish_reason(completion.finish_reason, index in self._called)
+
+
 class ChatServing(EngineServing[ChatCompletionRequest]):
     """A chat request is one prompt (the rendered conversation) with n samples: one engine
     request, whose sample j is choice j."""
 
     request_id = staticmethod(chat_completion_id)
+    stream_type = ChatStream
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -119,9 +180,6 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
             prompt = prompt[: end + len(final)]
         return prompt
 
-    def stream(self, generation: Generation[ChatCompletionRequest]) -> ChatStream:
-        return ChatStream(self, generation)
-
     def response(
         self, generation: Generation[ChatCompletionRequest], finals: list[RequestOutput]
     ) -> ChatCompletionResponse:
@@ -188,63 +246,3 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
 def finish_reason(reason: str | None, called: bool) -> str | None:
     """A choice's finish_reason: "tool_calls" where it called tools and ended by itself."""
     return "tool_calls" if called and reason == "stop" else reason
-
-
-class ChatStream(ChunkStream[ChatServing, ChatCompletionRequest, ChatCompletionChunk]):
-    """A chat stream, as OpenAI's: each choice's first chunk carries the role, then one chunk
-    per delta output of a choice, the last with its finish_reason. The prompt's logprobs,
-    when asked for, come once, with the first output. With tools, each choice's text goes
-    through its tool-call parser: a chunk carries the content and tool-call deltas it
-    released."""
-
-    chunk_type = ChatCompletionChunk
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self._prompt_scored = False  # whether the prompt's logprobs are out
-        self._parsers: dict[int, ToolCallParser] = {}  # per choice, from its first output
-        self._called: set[int] = set()  # the choices that called a tool
-
-    def opening(self) -> bytes:
-        role = ChatDelta(role="assistant", content="")
-        return b"".join(
-            self.event(self.chunk([ChatChunkChoice(index=index, delta=role)]))
-            for index in range(self.n)
-        )
-
-    def delta_events(
-        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
-    ) -> bytes:
-        serving, request = self.serving, self.request
-        choice.tokens += len(completion.token_ids)
-        delta = ChatDelta(content=completion.text)
-        reason = completion.finish_reason
-        if request.tools:
-            delta, reason = self._tool_delta(completion, choice.index)
-        chunk_choice = ChatChunkChoice(
-            index=choice.index,
-            delta=delta,
-            logprobs=serving._logprobs(completion, request),
-            finish_reason=reason,
-            stop_reason=completion.stop_reason,
-        )
-        chunk = self.chunk([chunk_choice], choice)
-        if not self._prompt_scored:
-            chunk.prompt_logprobs = serving.vllm_prompt_logprobs(output, request)
-            self._prompt_scored = True
-        return self.event(chunk)
-
-    def _tool_delta(self, completion: CompletionOutput, index: int) -> tuple[ChatDelta, str | None]:
-        """The delta and finish_reason of a choice's output read by its tool-call parser."""
-        parser = self._parsers.get(index)
-        if parser is None:
-            parser = self._parsers[index] = self.serving.tool_parser(self.request)
-        parts = [parser.feed(completion.text)]
-        if completion.finish_reason is not None:
-            parts.append(parser.finish())
-        calls = [call.jsonable() for part in parts for call in part.tool_calls]
-        if calls:
-            self._called.add(index)
-        content = "".join(part.content for part in parts)
-        delta = ChatDelta(content=content or None, tool_calls=calls or msgspec.UNSET)
-        return delta, finish_reason(completion.finish_reason, index in self._called)

@@ -34,6 +34,37 @@ class Delta:
     text_offset: int  # where the first token's text starts in the choice's logprobs text
 
 
+class CompletionStream(ChunkStream["CompletionServing", CompletionRequest, CompletionChunk]):
+    """A completions stream: one event per delta output of each choice (the engine holds back
+    text that could still turn out to be a stop string). A choice's first event carries the
+    echoed prompt and the prompt's logprobs when asked for."""
+
+    chunk_type = CompletionChunk
+
+    def delta_events(
+        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
+    ) -> bytes:
+        serving, request = self.serving, self.request
+        delta = serving._returned(completion, request)
+        choice.tokens += len(delta.token_ids)
+        if request.echo and not choice.started:
+            delta = serving._with_prompt(output, delta)
+        delta.text_offset = choice.text_offset
+        chunk_choice = CompletionChunkChoice(
+            index=choice.index,
+            text=delta.text,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        if request.logprobs is not None:
+            logprobs = chunk_choice.logprobs = serving._logprobs(delta)
+            if logprobs.tokens:
+                choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        if not choice.started:
+            chunk_choice.prompt_logprobs = serving.vllm_prompt_logprobs(output, request)
+        return self.event(self.chunk([chunk_choice], choice))
+
+
 class CompletionServing(EngineServing[CompletionRequest]):
     """Converts an OpenAI completion request at the edge and runs it on the AsyncEngine.
 
@@ -42,6 +73,7 @@ class CompletionServing(EngineServing[CompletionRequest]):
     """
 
     request_id = staticmethod(completion_id)
+    stream_type = CompletionStream
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         return await self.serve(request, raw_request)
@@ -67,9 +99,6 @@ class CompletionServing(EngineServing[CompletionRequest]):
             )
         await self.compile_constraint(request)
         return [self.process(request, prompt) for prompt in request.prompts()]
-
-    def stream(self, generation: Generation[CompletionRequest]) -> CompletionStream:
-        return CompletionStream(self, generation)
 
     def response(
         self, generation: Generation[CompletionRequest], finals: list[RequestOutput]
@@ -149,34 +178,3 @@ class CompletionServing(EngineServing[CompletionRequest]):
             result.text_offset.append(offset)
             offset += len(text)
         return result
-
-
-class CompletionStream(ChunkStream[CompletionServing, CompletionRequest, CompletionChunk]):
-    """A completions stream: one event per delta output of each choice (the engine holds back
-    text that could still turn out to be a stop string). A choice's first event carries the
-    echoed prompt and the prompt's logprobs when asked for."""
-
-    chunk_type = CompletionChunk
-
-    def delta_events(
-        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
-    ) -> bytes:
-        serving, request = self.serving, self.request
-        delta = serving._returned(completion, request)
-        choice.tokens += len(delta.token_ids)
-        if request.echo and not choice.started:
-            delta = serving._with_prompt(output, delta)
-        delta.text_offset = choice.text_offset
-        chunk_choice = CompletionChunkChoice(
-            index=choice.index,
-            text=delta.text,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-        if request.logprobs is not None:
-            logprobs = chunk_choice.logprobs = serving._logprobs(delta)
-            if logprobs.tokens:
-                choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        if not choice.started:
-            chunk_choice.prompt_logprobs = serving.vllm_prompt_logprobs(output, request)
-        return self.event(self.chunk([chunk_choice], choice))

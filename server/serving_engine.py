@@ -104,7 +104,7 @@ class EngineServing(ABC, Generic[RequestT]):
     """A generating route around the AsyncEngine, one request at a time (`serve`): check it
     and turn each prompt into engine inputs (the route's `preprocess`: `check_request`,
     `compile_constraint`, `process`), queue them (`submit`), read their outputs as they
-    arrive (`merge`) into a stream (the route's `stream`) or one response (the route's
+    arrive (`merge`) into a stream (the route's `stream_type`) or one response (the route's
     `response`). Everything a client can get wrong is an APIError (400/404/503) before any
     engine request is queued, or, if the queue fills midway, after the ones already queued
     are aborted."""
@@ -120,6 +120,7 @@ class EngineServing(ABC, Generic[RequestT]):
     # -- the route ---------------------------------------------------------------------------
 
     request_id: Callable[[], str]  # a new response id, the route's (cmpl-..., chatcmpl-...)
+    stream_type: type[StreamBuilder]  # the builder of the route's streams
 
     async def serve(self, request: RequestT, raw_request: Request) -> Response:
         """The response to one request: an SSE stream, or the JSON response once every
@@ -129,16 +130,12 @@ class EngineServing(ABC, Generic[RequestT]):
         generation = Generation(request, self.request_id(), int(time.time()), prompts)
         outputs = self.merge(self.submit(generation.request_id, prompts, request.model))
         if request.stream:
-            return EventStreamResponse(self.stream(generation).events(outputs))
+            return EventStreamResponse(self.stream_type(self, generation).events(outputs))
         return await json_unless_disconnected(raw_request, self._respond(generation, outputs))
 
     @abstractmethod
     async def preprocess(self, request: RequestT) -> list[PromptAndParams]:
         """The request checked, and its prompts as engine inputs."""
-
-    @abstractmethod
-    def stream(self, generation: Generation[RequestT]) -> StreamBuilder:
-        """The builder of the request's stream."""
 
     @abstractmethod
     def response(self, generation: Generation[RequestT], finals: list[RequestOutput]) -> BaseModel:

@@ -49,6 +49,74 @@ MAX_OUTPUT_TOKENS = IncompleteDetails(reason="max_output_tokens")
 ABORTED = ResponseError(code="server_error", message="the response was aborted before it ended")
 
 
+class ResponseStream(StreamBuilder["ResponsesServing", ResponsesRequest]):
+    """One streamed response: response.created and response.in_progress at once, then the
+    output items' events as the engine's outputs arrive (`OutputItems`), then
+    response.completed (or response.incomplete, response.failed: `final_state`) carrying the
+    whole response. Each event is `event: <type>` and `data: <JSON>` with a sequence_number
+    (0, 1, ...). No `[DONE]` follows: OpenAI sends none. An exception from the outputs is an
+    `error` event and response.failed (the item it cut short incomplete)."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.items = OutputItems(self._event)
+        self._parser = self.serving.chat.tool_parser(self.request.chat_request())
+        self._finish_reason: str | None = None
+        self._sequence_number = 0
+        self._pending: list[bytes] = []  # encoded events not yet sent
+
+    def opening(self) -> bytes:
+        opening = self._response(status="in_progress")
+        self._event("response.created", {"response": opening})
+        self._event("response.in_progress", {"response": opening})
+        return self._flush()
+
+    def delta_events(
+        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
+    ) -> bytes:
+        choice.tokens += len(completion.token_ids)
+        self.items.read(self._parser.feed(completion.text))
+        if completion.finish_reason is not None:
+            self.items.read(self._parser.finish())
+            self._finish_reason = completion.finish_reason
+        return self._flush()
+
+    def closing(self) -> bytes:
+        state = final_state(self._finish_reason)
+        self.items.close(item_status(state))
+        response = self._response(
+            output=self.items.items, usage=responses_usage(self.usage()), **state
+        )
+        self._event(f"response.{state['status']}", {"response": response})
+        return self._flush()
+
+    def failure(self, error: APIError) -> bytes:
+        error = in_responses_terms(error)
+        self.items.close("incomplete")
+        self._event(
+            "error",
+            {"code": error.body().error.type, "message": error.message, "param": error.param},
+        )
+        failure = ResponseError(code="server_error", message=error.message)
+        failed = self._response(status="failed", error=failure, output=self.items.items)
+        self._event("response.failed", {"response": failed})
+        return self._flush()
+
+    def _response(self, **state: Any) -> ResponsesResponse:
+        """The response object as it stands (`state`: status, output, ...)."""
+        return ResponsesResponse.of(self.request, self.request_id, self.created, **state)
+
+    def _event(self, type_: str, fields: dict[str, Any]) -> None:
+        event = {"type": type_, **fields, "sequence_number": self._sequence_number}
+        self._sequence_number += 1
+        self._pending.append(self.event(event, type_))
+
+    def _flush(self) -> bytes:
+        sent = b"".join(self._pending)
+        self._pending.clear()
+        return sent
+
+
 class ResponsesServing(EngineServing[ResponsesRequest]):
     """The Responses route over the chat machinery: a request's chat request is checked,
     rendered by the chat template and processed as the chat route does it (`self.chat`),
@@ -57,6 +125,7 @@ class ResponsesServing(EngineServing[ResponsesRequest]):
     (`in_responses_terms`)."""
 
     request_id = staticmethod(response_id)
+    stream_type = ResponseStream
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
         super().__init__(engine, config, metrics)
@@ -72,9 +141,6 @@ class ResponsesServing(EngineServing[ResponsesRequest]):
         if self.config.chat_template is None:
             raise no_chat_template("/v1/responses")
         return await self.chat.preprocess(request.chat_request())
-
-    def stream(self, generation: Generation[ResponsesRequest]) -> ResponseStream:
-        return ResponseStream(self, generation)
 
     def response(
         self, generation: Generation[ResponsesRequest], finals: list[RequestOutput]
@@ -220,71 +286,3 @@ class OutputItems:
         item = item if item is not None else self._open
         assert item is not None
         self._emit(type_, {"item_id": item.id, "output_index": len(self.items) - 1, **fields})
-
-
-class ResponseStream(StreamBuilder[ResponsesServing, ResponsesRequest]):
-    """One streamed response: response.created and response.in_progress at once, then the
-    output items' events as the engine's outputs arrive (`OutputItems`), then
-    response.completed (or response.incomplete, response.failed: `final_state`) carrying the
-    whole response. Each event is `event: <type>` and `data: <JSON>` with a sequence_number
-    (0, 1, ...). No `[DONE]` follows: OpenAI sends none. An exception from the outputs is an
-    `error` event and response.failed (the item it cut short incomplete)."""
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self.items = OutputItems(self._event)
-        self._parser = self.serving.chat.tool_parser(self.request.chat_request())
-        self._finish_reason: str | None = None
-        self._sequence_number = 0
-        self._pending: list[bytes] = []  # encoded events not yet sent
-
-    def opening(self) -> bytes:
-        opening = self._response(status="in_progress")
-        self._event("response.created", {"response": opening})
-        self._event("response.in_progress", {"response": opening})
-        return self._flush()
-
-    def delta_events(
-        self, output: RequestOutput, completion: CompletionOutput, choice: ChoiceState
-    ) -> bytes:
-        choice.tokens += len(completion.token_ids)
-        self.items.read(self._parser.feed(completion.text))
-        if completion.finish_reason is not None:
-            self.items.read(self._parser.finish())
-            self._finish_reason = completion.finish_reason
-        return self._flush()
-
-    def closing(self) -> bytes:
-        state = final_state(self._finish_reason)
-        self.items.close(item_status(state))
-        response = self._response(
-            output=self.items.items, usage=responses_usage(self.usage()), **state
-        )
-        self._event(f"response.{state['status']}", {"response": response})
-        return self._flush()
-
-    def failure(self, error: APIError) -> bytes:
-        error = in_responses_terms(error)
-        self.items.close("incomplete")
-        self._event(
-            "error",
-            {"code": error.body().error.type, "message": error.message, "param": error.param},
-        )
-        failure = ResponseError(code="server_error", message=error.message)
-        failed = self._response(status="failed", error=failure, output=self.items.items)
-        self._event("response.failed", {"response": failed})
-        return self._flush()
-
-    def _response(self, **state: Any) -> ResponsesResponse:
-        """The response object as it stands (`state`: status, output, ...)."""
-        return ResponsesResponse.of(self.request, self.request_id, self.created, **state)
-
-    def _event(self, type_: str, fields: dict[str, Any]) -> None:
-        event = {"type": type_, **fields, "sequence_number": self._sequence_number}
-        self._sequence_number += 1
-        self._pending.append(self.event(event, type_))
-
-    def _flush(self) -> bytes:
-        sent = b"".join(self._pending)
-        self._pending.clear()
-        return sent
