@@ -30,8 +30,8 @@ serve: install
 	$(VENV)/bin/octavo serve
 
 lint: install
-	$(VENV)/bin/ruff check engine kernels server tests benchmarks tools octavo/__init__.py octavo/__main__.py
-	$(VENV)/bin/ruff format --check engine kernels server tests benchmarks tools
+	$(VENV)/bin/ruff check engine kernels server tests benchmarks tools octavo/__init__.py octavo/__main__.py octavo/bench
+	$(VENV)/bin/ruff format --check engine kernels server tests benchmarks tools octavo/bench
 	$(VENV)/bin/mypy
 
 # The docs site (docs/ -> site/): the docs extra, the reference pages regenerated from the
@@ -41,8 +41,10 @@ docs: install
 	$(PY) -m tools.gen_docs
 	$(VENV)/bin/mkdocs build --strict
 
+# The benchmarks run from the repository root as modules (python -m benchmarks.NAME): the
+# checkout's benchmarks/ beside the installed octavo package.
 bench: install
-	$(PY) benchmarks/offline_throughput.py
+	$(PY) -m benchmarks.offline_throughput
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

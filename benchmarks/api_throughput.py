@@ -13,9 +13,9 @@ slower than tokens arrive, pending deltas merge into one event: tokens per event
 reported. API CPU per request is reported too: with a few tokens per request, and
 `--unstreamed` for plain responses, it is what admitting a burst of requests costs.
 
-    .venv/bin/python benchmarks/api_throughput.py --concurrency 64 256
-    .venv/bin/python benchmarks/api_throughput.py --concurrency 256 --step-ms 10
-    .venv/bin/python benchmarks/api_throughput.py --concurrency 256 --output-len 2 --unstreamed
+    .venv/bin/python -m benchmarks.api_throughput --concurrency 64 256
+    .venv/bin/python -m benchmarks.api_throughput --concurrency 256 --step-ms 10
+    .venv/bin/python -m benchmarks.api_throughput --concurrency 256 --output-len 2 --unstreamed
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -31,17 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import msgspec
 
-from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.provenance import header, host_info, write_result
-from octavo.benchmarks.sse_client import free_port, run_clients, running_server
-from octavo.benchmarks.workload import length_range
+from benchmarks import serving_throughput
+from benchmarks.provenance import REPO_ROOT, header, host_info, write_result
+from benchmarks.sse_client import free_port, run_clients, running_server
+from benchmarks.workload import length_range
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.core_process import CoreAddresses, connect_core_sockets
 from octavo.engine.core_messages import (
@@ -187,9 +182,9 @@ def process_cpu_seconds(pid: int) -> float:
 
 def measure(model: Path, concurrency: int, args: argparse.Namespace, vocab: int) -> dict:
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve", str(port), "--model", str(model)]
-    cmd += ["--step-ms", str(args.step_ms)]
-    with running_server(cmd + ["--concurrency", str(concurrency)], port) as server:
+    cmd = [sys.executable, "-m", "benchmarks.api_throughput", "--serve", str(port)]
+    cmd += ["--model", str(model), "--step-ms", str(args.step_ms)]
+    with running_server(cmd + ["--concurrency", str(concurrency)], port, cwd=REPO_ROOT) as server:
         run = argparse.Namespace(**{**vars(args), "num_requests": concurrency})
         requests = serving_throughput.make_requests(run, vocab)
         bodies = serving_throughput.bodies(requests, stream=not args.unstreamed)

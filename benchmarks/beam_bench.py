@@ -55,8 +55,8 @@ Octavo's KV bytes copied per step <= 1/50 of HF's at prompt length 512.
 Run from the repository root (the default grid takes about 4 minutes on 2 CPU cores, about
 9 with --repeats 3; HF at width 8 and prompt 512 is most of it):
 
-    .venv/bin/python benchmarks/beam_bench.py
-    .venv/bin/python benchmarks/beam_bench.py --widths 4 --prompt-lens 64 --max-tokens 8
+    .venv/bin/python -m benchmarks.beam_bench
+    .venv/bin/python -m benchmarks.beam_bench --widths 4 --prompt-lens 64 --max-tokens 8
 
 A table is printed and the JSON result is written to --result-file
 (default benchmarks/results/beam_bench_cpu.json).
@@ -70,24 +70,16 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from transformers import GPT2LMHeadModel
 from transformers.cache_utils import CacheLayerMixin
 
-from octavo.benchmarks import common, provenance, workload
-from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult, safe_div
+from benchmarks import common, provenance, workload
+from benchmarks.common import PAD_TOKEN_ID, SystemResult, safe_div
 from octavo.engine import LLM, BeamSearchParams
 from octavo.engine.step_io import SchedulerOutput
 from octavo.engine.worker.model_runner import ModelRunner

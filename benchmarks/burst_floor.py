@@ -9,7 +9,7 @@ reads each body, notes when it arrived, and answers a constant completion whose 
 the request's max_tokens. Reported per run, from the client's first send: when the first and
 the last request arrived, when the client had every response, and the client's CPU.
 
-    .venv/bin/python benchmarks/burst_floor.py --preset gpu-speed --repeats 3
+    .venv/bin/python -m benchmarks.burst_floor --preset gpu-speed --repeats 3
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -24,14 +24,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-try:
-    import octavo.benchmarks  # noqa: F401 -- not octavo.engine: nothing here needs torch
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.provenance import header, host_info, write_result
-from octavo.benchmarks.sse_client import free_port, run_clients, running_server
+from benchmarks import serving_throughput
+from benchmarks.provenance import REPO_ROOT, header, host_info, write_result
+from benchmarks.sse_client import free_port, run_clients, running_server
 
 ARRIVALS_PATH = "/arrivals"
 
@@ -121,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         serving_throughput.make_requests(workload, vocab), stream=False
     )
     port = free_port()
-    with running_server([sys.executable, __file__, "--serve", str(port)], port):
+    cmd = [sys.executable, "-m", "benchmarks.burst_floor", "--serve", str(port)]
+    with running_server(cmd, port, cwd=REPO_ROOT):
         run_clients(port, bodies[:2], 1)  # warm-up
         runs = [measure(port, bodies, args.client_procs) for _ in range(args.repeats)]
     for run in runs:

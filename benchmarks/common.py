@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from octavo.benchmarks.provenance import header, machine
+from benchmarks.provenance import header, machine
 from octavo.engine import LLM, EngineConfig, LLMEngine
 from octavo.engine.config import DTYPES
 

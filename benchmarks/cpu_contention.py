@@ -7,7 +7,7 @@ CPUs (--busy N ...), the median of --repeats timings each. A ratio well above 1 
 under the CPU count means the host's CPUs share a core's execution units (SMT siblings) or
 its clock: a neighbour's load slows the core's step.
 
-    python3 benchmarks/cpu_contention.py --busy 0 1 3 7 15
+    python3 -m benchmarks.cpu_contention --busy 0 1 3 7 15
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -18,16 +18,10 @@ import argparse
 import multiprocessing
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.provenance import host_info, write_result
+from benchmarks.provenance import host_info, write_result
 
 # Time the spinning processes are given to start before the timings.
 SETTLE_S = 0.5

@@ -30,7 +30,7 @@ Each system loads, runs one small untimed warm-up, then --repeats timed runs; wi
 N the systems run N times each, alternated (each round in another order), and a system's
 median is over all its runs. Output tokens/s = the requests' max_tokens summed / wall time.
 
-    .venv/bin/python benchmarks/cpu_peers.py --ov-python /tmp/peers/ov/bin/python \\
+    .venv/bin/python -m benchmarks.cpu_peers --ov-python /tmp/peers/ov/bin/python \\
         --llama-cpp /tmp/peers/llama.cpp --vllm-python /tmp/peers/vllm/bin/python \\
         --ct2-python /tmp/peers/ct2/bin/python --rounds 3
 """
@@ -52,13 +52,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, peer_systems, provenance
-from octavo.benchmarks.peer_systems import Peers
+from benchmarks import common, peer_systems, provenance
+from benchmarks.peer_systems import Peers
 from octavo.engine.config import cpu_computes_int8
 
 # (layers, hidden, heads) of each workload's model.
@@ -195,14 +190,14 @@ def summary(system: str, tokens: int, wall_s_runs=None, error=None, **extra) -> 
 
 
 def serve_and_load(command: list[str], env: dict, folder: Path, name: str, args) -> dict:
-    """Starts a server, runs load_test.py against it, stops it; load_test's report."""
+    """Starts a server, runs `octavo bench serve` against it, stops it; its report."""
     server, port = peer_systems.start_server(command, env, folder / f"server_{name}.log")
     try:
         report = folder / f"load_{port}.json"
         _, count, (prompt_len, _), max_tokens, _ = WORKLOADS[name]
         if args.smoke:
             count, max_tokens = SMOKE_REQUESTS, SMOKE_TOKENS
-        load = [sys.executable, str(Path(__file__).with_name("load_test.py")),
+        load = [sys.executable, "-m", "octavo", "bench", "serve",
                 "--base-url", f"http://127.0.0.1:{port}", "--random-input-len", str(prompt_len),
                 "--random-output-len", str(max_tokens), "--num-prompts", str(count),
                 "--max-concurrency", str(SERVED_CONCURRENCY[name]), "--ignore-eos",

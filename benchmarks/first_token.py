@@ -18,8 +18,8 @@ Then, with the server stopped, the engine alone in this process (`LLMEngine`, th
 and flags): a request's first token from `add_request` to the `step()` that returns it, and
 its inter-token latency at batch 1: the floor that the served figures are read against.
 
-    .venv/bin/python benchmarks/first_token.py --layers 2 --hidden 64 --heads 2
-    python3 benchmarks/first_token.py --device cuda --dtype float16 --preset gpt2
+    .venv/bin/python -m benchmarks.first_token --layers 2 --hidden 64 --heads 2
+    python3 -m benchmarks.first_token --device cuda --dtype float16 --preset gpt2
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
 """
@@ -37,14 +37,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import serving_throughput
-from octavo.benchmarks.provenance import REPO_ROOT, header, machine, write_result
-from octavo.benchmarks.sse_client import free_port, running_server
+from benchmarks import serving_throughput
+from benchmarks.provenance import REPO_ROOT, header, machine, write_result
+from benchmarks.sse_client import free_port, running_server
 from octavo.engine.config import DTYPES
 from octavo.server.server_args import ServerArgs
 

@@ -63,6 +63,12 @@ step() {  # step NAME COMMAND...: runs COMMAND, output to OUT_DIR/NAME.log, time
     return 0
 }
 
+before_python() {  # before_python ARGS...: python on the checkout in $before (BEFORE_ROOT):
+    # it comes first on the path and -P keeps the current folder (this tree) off it, so
+    # `-m benchmarks.NAME` runs that checkout's own script on its own package
+    env PYTHONPATH="$before:$PYTHONPATH" "$python" -P "$@"
+}
+
 latency() {  # latency TAG "CONCURRENCIES" [SERVER FLAG...]: `octavo bench serve` at each
     # concurrency (8 requests per stream, 32 prompt and 128 output tokens) against one
     # GPT-2 small server started with the flags
@@ -70,7 +76,7 @@ latency() {  # latency TAG "CONCURRENCIES" [SERVER FLAG...]: `octavo bench serve
     shift 2
     model=$(mktemp -d)/model
     "$python" -c "import sys; from pathlib import Path
-from octavo.benchmarks import serving_throughput as s
+from benchmarks import serving_throughput as s
 s.write_model(Path(sys.argv[1]), s.parse_args(['--preset', 'gpt2']))" "$model"
     "$python" -m octavo serve --model "$model" --load-format dummy --device cuda \
         --dtype float16 --port $port --log-level warning "$@" >"$out/server_$tag.log" 2>&1 &
@@ -128,31 +134,31 @@ tests)
         --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)
-    step kernel_bench "$python" benchmarks/kernel_bench.py --sweep --result-file "$out/kernel_bench.json"
+    step kernel_bench "$python" -m benchmarks.kernel_bench --sweep --result-file "$out/kernel_bench.json"
     ;;
 engine)
-    step step_latency "$python" benchmarks/step_latency.py --device cuda --dtype float16 \
+    step step_latency "$python" -m benchmarks.step_latency --device cuda --dtype float16 \
         --result-file "$out/step_latency.json"
-    step beam_bench "$python" benchmarks/beam_bench.py --device cuda --dtype float16 \
+    step beam_bench "$python" -m benchmarks.beam_bench --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/beam_bench.json"
     # One-step-ahead scheduling is the CUDA default; each measurement also runs without it.
-    step profile_decode "$python" benchmarks/profile_decode.py --device cuda --dtype float16 \
+    step profile_decode "$python" -m benchmarks.profile_decode --device cuda --dtype float16 \
         --preset gpt2 --result-file "$out/profile_decode.json" --trace-dir "$out/traces"
-    step profile_decode_sync "$python" benchmarks/profile_decode.py --device cuda \
+    step profile_decode_sync "$python" -m benchmarks.profile_decode --device cuda \
         --dtype float16 --preset gpt2 --no-async-scheduling \
         --result-file "$out/profile_decode_sync.json"
-    step host_overhead "$python" benchmarks/host_overhead.py --device cuda \
+    step host_overhead "$python" -m benchmarks.host_overhead --device cuda \
         --engine-args '{"async_scheduling": true}' --result-file "$out/host_overhead.json"
-    step host_overhead_sync "$python" benchmarks/host_overhead.py --device cuda \
+    step host_overhead_sync "$python" -m benchmarks.host_overhead --device cuda \
         --engine-args '{"async_scheduling": false}' --result-file "$out/host_overhead_sync.json"
     ;;
 offline)
-    step offline_gpt2 "$python" benchmarks/offline_throughput.py --device cuda --dtype float16 \
+    step offline_gpt2 "$python" -m benchmarks.offline_throughput --device cuda --dtype float16 \
         --preset gpt2 --num-requests 256 --result-file "$out/offline_gpt2.json"
-    step offline_gpt2_sync "$python" benchmarks/offline_throughput.py --device cuda \
+    step offline_gpt2_sync "$python" -m benchmarks.offline_throughput --device cuda \
         --dtype float16 --preset gpt2 --num-requests 256 --repeats 3 --skip-hf-static \
         --skip-hf-cb --no-async-scheduling --result-file "$out/offline_gpt2_sync.json"
-    step offline_gpt2_medium "$python" benchmarks/offline_throughput.py --device cuda \
+    step offline_gpt2_medium "$python" -m benchmarks.offline_throughput --device cuda \
         --dtype float16 --preset gpt2-medium --num-requests 256 --repeats 1 \
         --result-file "$out/offline_gpt2_medium.json"
     ;;
@@ -166,11 +172,11 @@ serve)
     # cannot tell its work from its waiting.
     stacks=()
     command -v py-spy >/dev/null && stacks=(--py-spy-dir "$out/stacks")
-    step serving_gpt2 "$python" benchmarks/serving_throughput.py --preset gpt2 --device cuda \
+    step serving_gpt2 "$python" -m benchmarks.serving_throughput --preset gpt2 --device cuda \
         --dtype float16 --num-requests 4096 --modes streamed unstreamed interval8 api2 \
         --client-procs 4 --repeats 3 "${stacks[@]}" --result-file "$out/serving_throughput_gpt2.json"
     # How soon the same burst reaches a server that does nothing: the served runs' floor.
-    step burst_floor_gpt2 "$python" benchmarks/burst_floor.py --preset gpt2 \
+    step burst_floor_gpt2 "$python" -m benchmarks.burst_floor --preset gpt2 \
         --num-requests 4096 --client-procs 4 --result-file "$out/burst_floor_gpt2.json"
     # Latency at 1-64 concurrent streams against one server (`octavo bench serve`).
     latency default "1 4 16 64"
@@ -183,12 +189,12 @@ served_loss)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -m pip list 2>/dev/null | grep -iE "^(vllm|sglang) " | tee -a "$out/gpu.txt"
     step serving_gpt2 py-spy record --idle --nonblocking --format raw --rate 200 \
-        --output "$out/stacks_offline.txt" -- "$python" benchmarks/serving_throughput.py \
+        --output "$out/stacks_offline.txt" -- "$python" -m benchmarks.serving_throughput \
         --preset gpt2 --device cuda --dtype float16 --num-requests 4096 \
         --modes streamed unstreamed --client-procs 4 --repeats 2 --py-spy-dir "$out/stacks" \
         --result-file "$out/serving_throughput_gpt2.json"
     # One stream's first token against its parts and against the engine alone.
-    step first_token "$python" benchmarks/first_token.py --device cuda --dtype float16 \
+    step first_token "$python" -m benchmarks.first_token --device cuda --dtype float16 \
         --preset gpt2 --num-requests 32 --result-file "$out/first_token_gpt2.json"
     ;;
 served_loss_compare)
@@ -199,20 +205,19 @@ served_loss_compare)
     # clients do).
     (lscpu; grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list) \
         >"$out/cpu_topology.txt" 2>&1
-    step cpu_contention "$python" benchmarks/cpu_contention.py --busy 0 1 3 7 15
+    step cpu_contention "$python" -m benchmarks.cpu_contention --busy 0 1 3 7 15
     gpu_tests gpu_tests tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_engine.py
-    step serving_gpt2_compare "$python" benchmarks/serving_throughput.py --preset gpt2 \
+    step serving_gpt2_compare "$python" -m benchmarks.serving_throughput --preset gpt2 \
         --device cuda --dtype float16 --num-requests 4096 --modes streamed unstreamed \
         --before-root "$before" --before-modes streamed unstreamed --client-procs 4 \
         --repeats 3 --result-file "$out/serving_throughput_gpt2_compare.json"
     for round in 1 2; do
-        step "first_token_$round" "$python" benchmarks/first_token.py --device cuda \
+        step "first_token_$round" "$python" -m benchmarks.first_token --device cuda \
             --dtype float16 --preset gpt2 --num-requests 32 \
             --result-file "$out/first_token_gpt2_$round.json"
-        # The script is this tree's; what it imports and serves is the other checkout.
-        step "first_token_before_$round" env PYTHONPATH="$before:$PYTHONPATH" "$python" \
-            benchmarks/first_token.py --device cuda --dtype float16 --preset gpt2 \
-            --num-requests 32 --result-file "$out/first_token_gpt2_before_$round.json"
+        step "first_token_before_$round" before_python -m benchmarks.first_token --device cuda \
+            --dtype float16 --preset gpt2 --num-requests 32 \
+            --result-file "$out/first_token_gpt2_before_$round.json"
     done
     ;;
 arrivals)
@@ -224,12 +229,12 @@ arrivals)
     for round in 1 2; do
         for interval in 1 8; do
             step "profile_arrivals_interval${interval}_$round" "$python" \
-                benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2 \
+                -m benchmarks.profile_decode --device cuda --dtype float16 --preset gpt2 \
                 --batches 64 256 --arrivals 2 --prefill-interval "$interval" \
                 --result-file "$out/profile_arrivals_interval${interval}_$round.json"
         done
     done
-    step serving_gpt2_interval1 "$python" benchmarks/serving_throughput.py --preset gpt2 \
+    step serving_gpt2_interval1 "$python" -m benchmarks.serving_throughput --preset gpt2 \
         --device cuda --dtype float16 --num-requests 1024 --prefill-interval 1 \
         --modes streamed unstreamed --client-procs 4 --repeats 3 \
         --result-file "$out/serving_throughput_gpt2_prefill_interval1.json"
@@ -249,7 +254,7 @@ piecewise)
             flags=(--no-piecewise-cuda-graphs)
             [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
             step "profile_arrivals_interval${interval}_$mode" "$python" \
-                benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2 \
+                -m benchmarks.profile_decode --device cuda --dtype float16 --preset gpt2 \
                 --batches 64 256 --arrivals 2 --prefill-interval "$interval" "${flags[@]}" \
                 --result-file "$out/profile_arrivals_interval${interval}_$mode.json"
         done
@@ -261,7 +266,7 @@ piecewise)
         [[ $mode == piecewise ]] && flags=(--piecewise-cuda-graphs)
         [[ $mode == piecewise ]] && command -v py-spy >/dev/null \
             && flags+=(--py-spy-dir "$out/stacks")
-        step "serving_gpt2_$mode" "$python" benchmarks/serving_throughput.py --preset gpt2 \
+        step "serving_gpt2_$mode" "$python" -m benchmarks.serving_throughput --preset gpt2 \
             --device cuda --dtype float16 --num-requests 1024 --modes streamed unstreamed \
             --client-procs 4 --repeats 2 "${flags[@]}" \
             --result-file "$out/serving_throughput_gpt2_$mode.json"
@@ -278,11 +283,10 @@ compare)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     profile=(--device cuda --dtype float16 --preset gpt2 ${PROFILE_BATCHES:+--batches $PROFILE_BATCHES})
     for round in 1 2; do
-        step "profile_after_$round" "$python" benchmarks/profile_decode.py "${profile[@]}" \
+        step "profile_after_$round" "$python" -m benchmarks.profile_decode "${profile[@]}" \
             --result-file "$out/profile_after_$round.json"
-        step "profile_before_$round" env PYTHONPATH="$before:$PYTHONPATH" "$python" \
-            "$before/benchmarks/profile_decode.py" "${profile[@]}" \
-            --result-file "$out/profile_before_$round.json"
+        step "profile_before_$round" before_python -m benchmarks.profile_decode \
+            "${profile[@]}" --result-file "$out/profile_before_$round.json"
         if [[ $round -eq 1 ]]; then
             gpu_tests gpu_tests tests/kernels tests/engine tests/model
         fi
@@ -292,14 +296,14 @@ fusions)
     # A kernel change measured twice: kernel_bench in this tree and in the checkout before
     # it, then the decode step against that checkout at small batches and large ones.
     before=${BEFORE_ROOT:?fusions needs BEFORE_ROOT, the checkout to measure against}
-    step kernel_bench "$python" benchmarks/kernel_bench.py --result-file "$out/kernel_bench.json"
-    step kernel_bench_before env PYTHONPATH="$before:$PYTHONPATH" "$python" \
-        "$before/benchmarks/kernel_bench.py" --result-file "$out/kernel_bench_before.json"
+    step kernel_bench "$python" -m benchmarks.kernel_bench --result-file "$out/kernel_bench.json"
+    step kernel_bench_before before_python -m benchmarks.kernel_bench \
+        --result-file "$out/kernel_bench_before.json"
     PROFILE_BATCHES="1 8 16 64 256" bash "$0" compare "$out" || status=$?
     ;;
 speculative)
     for dtype in float16 float32; do
-        step "speculative_$dtype" "$python" benchmarks/speculative_decoding.py --device cuda \
+        step "speculative_$dtype" "$python" -m benchmarks.speculative_decoding --device cuda \
             --dtype "$dtype" --batch-sizes 1 8 --repeats 5 \
             --result-file "$out/speculative_decoding_$dtype.json"
     done
@@ -307,7 +311,7 @@ speculative)
 lora)
     step lora_tests "$python" -m pytest -v -rf -n 4 tests/engine/test_lora.py tests/kernels/test_lora_kernel.py \
         --engine-device cuda -p no:cacheprovider --timeout 300
-    step lora_bench "$python" benchmarks/lora_bench.py --device cuda --dtype float16 --preset gpt2 \
+    step lora_bench "$python" -m benchmarks.lora_bench --device cuda --dtype float16 --preset gpt2 \
         --batch 256 --repeats 5 --result-file "$out/lora_bench_gpt2.json"
     ;;
 serve_compare)
@@ -315,12 +319,12 @@ serve_compare)
     # unstreamed, one mode after another: a serving change against the commit before it.
     # 1024 requests, so that four modes fit the call.
     before=${BEFORE_ROOT:?serve_compare needs BEFORE_ROOT, the checkout to measure against}
-    step serving_gpt2_compare "$python" benchmarks/serving_throughput.py --preset gpt2 \
+    step serving_gpt2_compare "$python" -m benchmarks.serving_throughput --preset gpt2 \
         --device cuda --dtype float16 --num-requests 1024 --modes streamed unstreamed \
         --before-root "$before" --before-modes streamed unstreamed --client-procs 4 \
         --repeats 3 --result-file "$out/serving_throughput_gpt2_compare.json"
     # How soon the same burst reaches a server that does nothing: the served runs' floor.
-    step burst_floor_gpt2 "$python" benchmarks/burst_floor.py --preset gpt2 \
+    step burst_floor_gpt2 "$python" -m benchmarks.burst_floor --preset gpt2 \
         --num-requests 1024 --client-procs 4 --result-file "$out/burst_floor_gpt2.json"
     ;;
 *)

@@ -20,8 +20,8 @@ forward time, host work per token = (step - forward) / batch, tokens/s = batch /
 the phases. --before-root DIR measures another checkout (an older commit) the same way in a
 subprocess, for a before/after in one run. Speed is never asserted in tests.
 
-    .venv/bin/python benchmarks/host_overhead.py --before-root /tmp/before
-    .venv/bin/python benchmarks/host_overhead.py --layers 1 --vocab 50257
+    .venv/bin/python -m benchmarks.host_overhead --before-root /tmp/before
+    .venv/bin/python -m benchmarks.host_overhead --layers 1 --vocab 50257
 """
 
 from __future__ import annotations
@@ -37,14 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.common import PhaseTimer, result_header
-from octavo.benchmarks.provenance import git_commit
-from octavo.benchmarks.workload import length_range
+from benchmarks.common import PhaseTimer, result_header
+from benchmarks.provenance import git_commit
+from benchmarks.workload import length_range
 from octavo.engine.config import EngineConfig
 from octavo.engine.core.engine_core import EngineCore
 from octavo.engine.frontend.input_processor import InputProcessor, ProcessedPrompt
@@ -125,7 +120,7 @@ def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[st
         seed=args.seed, **engine_args,
     )  # fmt: skip
     core = EngineCore(config)
-    timer = PhaseTimer(core.device)
+    timer = PhaseTimer(core.config.torch_device)
     instrument(core, timer)
     rng = random.Random(args.seed)
     kind = RequestOutputKind.FINAL_ONLY if args.final_only else RequestOutputKind.CUMULATIVE
@@ -143,13 +138,13 @@ def run_batch(model: Path, batch: int, args: argparse.Namespace) -> list[dict[st
     while core.has_unfinished_requests():
         timer.totals.clear()
         timer.sync()
-        sampled = scheduler.num_generation_tokens
+        sampled = scheduler.updater.num_generation_tokens
         start = time.perf_counter()
         core.step()
         timer.sync()
         wall = time.perf_counter() - start
         # Counted by the scheduler: a FINAL_ONLY request's tokens are in no step's outputs.
-        if scheduler.num_generation_tokens - sampled != batch:
+        if scheduler.updater.num_generation_tokens - sampled != batch:
             continue
         phases = {p: timer.totals.get(p, 0.0) for p in PHASES}
         phases["execute"] -= phases["forward"]
@@ -182,7 +177,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
 
 def measure_before(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
     """The same measurements of another checkout's `octavo` package, by that checkout's own
-    copy of this script (whose imports match its package)."""
+    copy of this script (whose imports match its package): that checkout first on the path,
+    and -P keeps the current folder (this one, run from its root) off it."""
     flags = [a for a in argv if a != "--measure-only"]
     if "--before-root" in flags:
         at = flags.index("--before-root")
@@ -190,8 +186,7 @@ def measure_before(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]
     root = args.before_root.resolve()
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run(
-        [sys.executable, str(root / "octavo" / "benchmarks" / "host_overhead.py"), *flags,
-         "--measure-only"],
+        [sys.executable, "-P", "-m", "benchmarks.host_overhead", *flags, "--measure-only"],
         env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return json.loads(out.splitlines()[-1])

@@ -14,8 +14,8 @@ context, and prefill tile configs, to pick the heuristics from.
 Goals: decode >= 70% of copy bandwidth at batch >= 64 and context >= 512;
 prefill >= 80% of SDPA's TFLOP/s.
 
-    .venv/bin/python benchmarks/kernel_bench.py            # needs a CUDA device
-    .venv/bin/python benchmarks/kernel_bench.py --smoke --result-file /tmp/k.json
+    .venv/bin/python -m benchmarks.kernel_bench            # needs a CUDA device
+    .venv/bin/python -m benchmarks.kernel_bench --smoke --result-file /tmp/k.json
 
 --smoke runs tiny shapes on whatever device there is (on CPU, the Triton interpreter): it
 checks that the script works, and its numbers mean nothing.
@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,12 +45,7 @@ if not torch.cuda.is_available():
 
 import triton.testing  # noqa: E402
 
-try:
-    import octavo.kernels  # noqa: F401
-except ImportError:  # run as a plain script on a machine without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
+from benchmarks.copy_bandwidth import device_copy_bandwidth  # noqa: E402
 from octavo.kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,

@@ -12,8 +12,8 @@ runs of the same requests, alternating, --repeats timed rounds after an untimed 
 
 Reported: output tok/s of each (median) and each over base's.
 
-    .venv/bin/python benchmarks/lora_bench.py --dtype bfloat16 --repeats 5
-    .venv/bin/python benchmarks/lora_bench.py --smoke --result-file /tmp/l.json
+    .venv/bin/python -m benchmarks.lora_bench --dtype bfloat16 --repeats 5
+    .venv/bin/python -m benchmarks.lora_bench --smoke --result-file /tmp/l.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,12 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, provenance
+from benchmarks import common, provenance
 from octavo.engine import LLM, LoRARequest, SamplingParams
 from octavo.engine.lora_adapter import TARGETS, target_shape
 from octavo.engine.worker.models.model_files import load_model_config

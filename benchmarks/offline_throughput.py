@@ -30,8 +30,8 @@ are compared with those of hf_static (reported as "greedy_match", never fatal).
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/offline_throughput.py
-    .venv/bin/python benchmarks/offline_throughput.py --num-requests 16 --layers 2 --skip-hf-cb
+    .venv/bin/python -m benchmarks.offline_throughput
+    .venv/bin/python -m benchmarks.offline_throughput --num-requests 16 --layers 2 --skip-hf-cb
 
 A table is printed and the JSON result is written to --result-file
 (default benchmarks/results/offline_throughput_cpu.json).
@@ -44,24 +44,17 @@ import dataclasses
 import math
 import random
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from octavo.benchmarks import common, provenance, workload
-from octavo.benchmarks.common import PAD_TOKEN_ID, SystemResult
+from benchmarks import common, provenance, workload
+from benchmarks.common import PAD_TOKEN_ID, SystemResult
 from octavo.engine import LLM, SamplingParams
 
 HF_CB_PAGE_SIZE = 256  # ContinuousBatchingConfig's default page size (tokens per block)

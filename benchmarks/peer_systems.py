@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from octavo.benchmarks import common
-from octavo.benchmarks.peers.timing import time_runs
-from octavo.benchmarks.sse_client import free_port
+from benchmarks import common
+from benchmarks.peers.timing import time_runs
+from benchmarks.sse_client import free_port
 from octavo.engine import LLM, BeamSearchParams, SamplingParams
 from octavo.engine.config import cpu_computes_int8
 

@@ -16,7 +16,7 @@ two engines' runs alternating; the median run is reported, every run kept. TTFT 
 request's first token time minus its arrival (RequestMetrics); throughput is output tokens
 / wall time; the hit rate is prefix cache hits / queries (tokens) over the timed runs.
 
-    .venv/bin/python benchmarks/prefix_caching.py            # the 6x512 model, on CPU
+    .venv/bin/python -m benchmarks.prefix_caching            # the 6x512 model, on CPU
 
 The JSON result goes to --result-file (default benchmarks/results/prefix_caching_cpu.json).
 """
@@ -31,13 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, provenance
-from octavo.benchmarks.workload import random_tokens as tokens
+from benchmarks import common, provenance
+from benchmarks.workload import random_tokens as tokens
 from octavo.engine import LLM, RequestOutput, SamplingParams
 
 WORKLOADS = ("shared", "multi_turn", "unique")

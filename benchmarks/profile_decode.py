@@ -20,8 +20,8 @@ time of pass 2: a step much longer than its GPU time is host-bound. The bandwidt
 of a step is the bytes it must read (every weight, every running sequence's K/V) over the
 measured device-to-device copy bandwidth.
 
-    python benchmarks/profile_decode.py --device cuda --dtype float16 --preset gpt2
-    python benchmarks/profile_decode.py --smoke --result-file /tmp/p.json
+    python -m benchmarks.profile_decode --device cuda --dtype float16 --preset gpt2
+    python -m benchmarks.profile_decode --smoke --result-file /tmp/p.json
 
 --smoke: a 2-layer model on the CPU, a few steps, to check the script; its numbers mean
 nothing.
@@ -34,7 +34,6 @@ import cProfile
 import gzip
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,13 +42,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, provenance
-from octavo.benchmarks.copy_bandwidth import device_copy_bandwidth
+from benchmarks import common, provenance
+from benchmarks.copy_bandwidth import device_copy_bandwidth
 from octavo.engine import LLMEngine, RequestOutputKind, SamplingParams
 
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 3, 1
@@ -311,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
             workload = Workload(engine, args, batch)
             workload.start()
             prompt_tokens = engine.scheduler.num_prompt_tokens
-            generated = engine.scheduler.num_generation_tokens
+            generated = engine.scheduler.updater.num_generation_tokens
             wall = wall_pass(workload, args.steps // 2)
             step_bytes = bytes_per_step(engine)  # the middle of the wall pass
             wall += wall_pass(workload, args.steps - args.steps // 2)
             prompt_tokens = engine.scheduler.num_prompt_tokens - prompt_tokens
-            generated = engine.scheduler.num_generation_tokens - generated
+            generated = engine.scheduler.updater.num_generation_tokens - generated
             trace = None
             if args.trace_dir is not None:
                 args.trace_dir.mkdir(parents=True, exist_ok=True)

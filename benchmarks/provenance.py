@@ -1,36 +1,18 @@
-"""Where a result came from, without torch: the machine, the commit, and the JSON file. The
-scripts that measure no model (burst_floor.py, cpu_contention.py) import only this, so they
-start in a fraction of a second; common.py adds torch's versions for the rest."""
+"""Where a result came from, without torch: the machine (host_info, the load-test client's
+own, from octavo.bench.host), the commit, and the JSON file. The scripts that measure no model
+(burst_floor.py, cpu_contention.py) import only this, so they start in a fraction of a
+second; common.py adds torch's versions for the rest."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import platform
 import subprocess
 from pathlib import Path
 
+from octavo.bench.host import host_info
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def host_info() -> dict:
-    """CPU model (from lscpu), cores, platform and Python."""
-    model_name = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model_name = line.split(":", 1)[1].strip()
-                break
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {
-        "cpu_model": model_name,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
 
 
 def machine(device: str) -> dict:

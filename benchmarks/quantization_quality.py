@@ -9,7 +9,7 @@ bfloat16 on the same weights:
   exp(mean negative log-likelihood) of every token after each window's first, from Octavo's
   prompt_logprobs and from HF's logits.
 
-    python benchmarks/quantization_quality.py
+    python -m benchmarks.quantization_quality
 """
 
 from __future__ import annotations
@@ -18,19 +18,13 @@ import argparse
 import importlib
 import inspect
 import math
-import sys
 from pathlib import Path
 
 import tokenizers
 import torch
 from transformers import AutoModelForCausalLM
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, provenance
+from benchmarks import common, provenance
 from octavo.engine import LLM, SamplingParams
 from octavo.server.server_args import DEFAULT_MODEL
 

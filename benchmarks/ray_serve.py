@@ -19,8 +19,8 @@ once, streamed, usage in the last event.
               `usage.prompt_tokens_details.cached_tokens`. Least-loaded routing computes a
               prefix once on every replica its group reaches, prefix routing once in all.
 
-    .venv/bin/python benchmarks/ray_serve.py     # -> results/ray_serve_cpu.json
-    .venv/bin/python benchmarks/ray_serve.py --smoke --result-file /tmp/r.json
+    .venv/bin/python -m benchmarks.ray_serve     # -> results/ray_serve_cpu.json
+    .venv/bin/python -m benchmarks.ray_serve --smoke --result-file /tmp/r.json
 
 --smoke: a few requests, `octavo serve` and one 2-replica prefix-routed Ray run, each with a
 64 MB KV cache; its numbers mean nothing.
@@ -39,15 +39,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.provenance import header, host_info  # noqa: E402
-from octavo.benchmarks.sse_client import free_port, run_clients, running_server  # noqa: E402
-from octavo.server.ray_serve.messages import REPLICA_HEADER  # noqa: E402
-from octavo.server.server_args import DEFAULT_MODEL  # noqa: E402
+from benchmarks.provenance import header, host_info
+from benchmarks.sse_client import free_port, run_clients, running_server
+from octavo.server.ray_serve.messages import REPLICA_HEADER
+from octavo.server.server_args import DEFAULT_MODEL
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OWN_TOKENS = 16  # after a shared prefix, per request

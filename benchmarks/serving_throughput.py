@@ -38,8 +38,8 @@ Where the time goes, per run:
     each mode's first timed run (the engine's steps, running and waiting requests): whether
     the engine stepped all along or stalled (`stalled_s`), and how full it ran.
 
-    .venv/bin/python benchmarks/serving_throughput.py --layers 6 --hidden 512
-    .venv/bin/python benchmarks/serving_throughput.py --preset gpu-speed \
+    .venv/bin/python -m benchmarks.serving_throughput --layers 6 --hidden 512
+    .venv/bin/python -m benchmarks.serving_throughput --preset gpu-speed \
         --modes streamed interval8 unstreamed api2 --before-root /tmp/before
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
@@ -65,15 +65,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.processes import cpu_seconds, process_tree
-from octavo.benchmarks.provenance import REPO_ROOT, git_commit, header, machine, write_result
-from octavo.benchmarks.sse_client import free_port, run_clients, running_server
-from octavo.benchmarks.workload import length_range
+from benchmarks.processes import cpu_seconds, process_tree
+from benchmarks.provenance import REPO_ROOT, git_commit, header, machine, write_result
+from benchmarks.sse_client import free_port, run_clients, running_server
+from benchmarks.workload import length_range
 from octavo.engine.config import DTYPES
 from octavo.server.server_args import DEFAULT_MODEL
 
@@ -250,7 +245,7 @@ class OfflineRuns:
         # process.
         import torch
 
-        from octavo.benchmarks.common import PhaseTimer
+        from benchmarks.common import PhaseTimer
         from octavo.engine import LLM, SamplingParams
 
         # On a GPU the served engine runs beside this one and sizes its KV cache from what

@@ -19,9 +19,9 @@ The RSS of the server and of each of its descendants is sampled every --sample-s
 core. After the load, /metrics must show nothing running or waiting and no KV block in use.
 Results JSON (--result-file); --plot-dir adds a plot of RSS over time.
 
-    .venv/bin/python benchmarks/soak.py --duration 150 --clients 24 \\
+    .venv/bin/python -m benchmarks.soak --duration 150 --clients 24 \\
         --result-file benchmarks/results/soak_mixed_cpu.json --plot-dir benchmarks/results/plots_cpu
-    .venv/bin/python benchmarks/soak.py --fill-requests 1300 --per-kind 1500 --clients 16 \\
+    .venv/bin/python -m benchmarks.soak --fill-requests 1300 --per-kind 1500 --clients 16 \\
         --result-file benchmarks/results/soak_per_kind_cpu.json \\
         --plot-dir benchmarks/results/plots_cpu
 
@@ -45,14 +45,9 @@ from pathlib import Path
 
 import httpx
 
-try:
-    import octavo.benchmarks  # noqa: F401 -- not octavo.engine: the client needs no torch
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.processes import is_resource_tracker, process_tree, resident_bytes
-from octavo.benchmarks.provenance import header, host_info, write_result
-from octavo.benchmarks.sse_client import free_port, running_server
+from benchmarks.processes import is_resource_tracker, process_tree, resident_bytes
+from benchmarks.provenance import header, host_info, write_result
+from benchmarks.sse_client import free_port, running_server
 
 MODEL = "soak"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -428,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         idle = wait_idle(port)
     shape = "mixed" if args.duration is not None else "per_kind"
     result = header("soak", {"device": "cpu", **host_info()}) | {
-        "command": " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["python -m benchmarks.soak", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "server": " ".join(cmd[1:]),
         "clients": args.clients,
         "rss_at_start_mb": {role: round(b / 2**20, 1) for role, b in started.items()},

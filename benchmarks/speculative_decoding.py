@@ -16,8 +16,8 @@ verified and accepted (acceptance = accepted / drafted; tokens a step = output t
 model steps); and how many requests' tokens equal plain's (in bfloat16, prefix hits and
 batch shapes can flip a near-tie: plain's own uncached first run is compared too).
 
-    .venv/bin/python benchmarks/speculative_decoding.py
-    .venv/bin/python benchmarks/speculative_decoding.py --smoke --result-file /tmp/s.json
+    .venv/bin/python -m benchmarks.speculative_decoding
+    .venv/bin/python -m benchmarks.speculative_decoding --smoke --result-file /tmp/s.json
 
 --smoke: fewer, shorter requests, to check the script; its numbers mean nothing.
 """
@@ -30,19 +30,13 @@ import pydoc_data.topics
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, provenance
+from benchmarks import common, provenance
 from octavo.engine import LLM, SamplingParams
 from octavo.server.server_args import DEFAULT_MODEL
 

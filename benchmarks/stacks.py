@@ -9,8 +9,8 @@ offline), the milliseconds per step spent under each of --phases: the samples wh
 holds the phase's frame, over the sampling rate and the run's engine steps (--steps, from the
 benchmark's result file). Phases overlap where one calls another.
 
-    python benchmarks/stacks.py STACKS.txt --root run_busy_loop --steps 1720
-    python benchmarks/stacks.py OFFLINE.txt --root "LLMEngine.step " --steps 5073
+    python -m benchmarks.stacks STACKS.txt --root run_busy_loop --steps 1720
+    python -m benchmarks.stacks OFFLINE.txt --root "LLMEngine.step " --steps 5073
 
 Only the samples under --root count: a benchmark process that also waits on served runs, or
 a core sampled before its first request, adds nothing.

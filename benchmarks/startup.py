@@ -9,7 +9,7 @@ completion, and stops the server. --before-root DIR also starts another checkout
 machine's speed reaches both alike. Reported per checkout: every run's seconds to ready and
 to the first completion, and their medians.
 
-    .venv/bin/python benchmarks/startup.py --runs 5 --before-root /tmp/before \\
+    .venv/bin/python -m benchmarks.startup --runs 5 --before-root /tmp/before \\
         --result-file benchmarks/results/startup_cpu.json
 
 Speed is never asserted in tests; tests/benchmarks runs a tiny configuration.
@@ -27,13 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-try:
-    import octavo.benchmarks  # noqa: F401 -- not octavo.engine: nothing here needs torch
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.provenance import REPO_ROOT, git_commit, header, host_info, write_result
-from octavo.benchmarks.sse_client import SERVER_STARTUP_TIMEOUT_S, free_port, running_server
+from benchmarks.provenance import REPO_ROOT, git_commit, header, host_info, write_result
+from benchmarks.sse_client import SERVER_STARTUP_TIMEOUT_S, free_port, running_server
 from octavo.server.server_args import DEFAULT_MODEL
 
 # The dummy-weight model's shape when no --model is given.

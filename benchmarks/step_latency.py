@@ -10,8 +10,8 @@ systems), `batch` prompts of --prompt-len random token ids, greedy, EOS ignored.
     --steps; time per token = wall time / steps (its one prefill is amortised in it).
 Goal: a GPT-2 small decode step at batch 1 under 1 ms with CUDA graphs.
 
-    .venv/bin/python benchmarks/step_latency.py --device cuda --dtype float16
-    .venv/bin/python benchmarks/step_latency.py --smoke --result-file /tmp/s.json
+    .venv/bin/python -m benchmarks.step_latency --device cuda --dtype float16
+    .venv/bin/python -m benchmarks.step_latency --smoke --result-file /tmp/s.json
 
 --smoke: a 2-layer model, two batch sizes, a few steps on the CPU, to check the script; its
 numbers mean nothing.
@@ -21,18 +21,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks import common, provenance
+from benchmarks import common, provenance
 from octavo.engine import LLMEngine, SamplingParams
 
 SMOKE_BATCHES, SMOKE_STEPS, SMOKE_WARMUP = (1, 2), 4, 1

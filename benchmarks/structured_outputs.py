@@ -16,7 +16,7 @@ vocabulary) and this machine.
 tokenizer) when it can be imported; it is not a dependency of Octavo (`pip install
 xgrammar`). Speed is never asserted in tests; tests/benchmarks runs --smoke.
 
-    .venv/bin/python benchmarks/structured_outputs.py --xgrammar
+    .venv/bin/python -m benchmarks.structured_outputs --xgrammar
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,13 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-try:
-    import octavo.engine  # noqa: F401
-except ImportError:  # run as a plain script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from octavo.benchmarks.common import RESULTS_DIR, machine_info
-from octavo.benchmarks.provenance import git_commit
+from benchmarks.common import RESULTS_DIR, machine_info
+from benchmarks.provenance import git_commit
 from octavo.engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from octavo.engine.structured_outputs import _compile, compile_grammar
 from octavo.engine.worker.grammar import GrammarMatchers

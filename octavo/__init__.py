@@ -3,10 +3,11 @@ Triton kernels, in-engine beam search, an OpenAI-compatible HTTP API).
 
     from octavo import LLM, SamplingParams, BeamSearchParams
 
-The repository keeps its top-level folders (engine/, kernels/, server/, benchmarks/); this
-package holds them as octavo.engine, octavo.kernels, octavo.server and octavo.benchmarks
-(links in a checkout, real folders in the installed wheel), so `octavo` is the only
-top-level import an install adds.
+The repository keeps its top-level folders (engine/, kernels/, server/); this package holds
+them as octavo.engine, octavo.kernels and octavo.server (links in a checkout, real folders in
+the installed wheel) beside its own octavo.bench (the load-test client of `octavo bench
+serve`), so `octavo` is the only top-level import an install adds. The repository's
+benchmarks/ are not part of it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads them
     )
 
 # The public API is the engine's (octavo.engine.__all__: LLM, SamplingParams, ...), loaded
-# on first use: `import octavo.benchmarks.sse_client` in a spawned client process must not
-# pay for torch.
+# on first use: `octavo bench serve`, and the benchmarks that measure no model (through
+# octavo.bench.host), must not pay for torch.
 __all__ = [
     "LLM",
     "BeamSearchParams",

@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    # The load-test client (and httpx, the `bench` extra) loads only when this runs; its
-    # own parser reads the flags (`octavo bench serve --help` lists them).
+    # The load-test client (octavo.bench) loads only when this runs; its own parser reads
+    # the flags (`octavo bench serve --help` lists them, with or without the `bench` extra).
     bench_serve = bench_commands.add_parser(
         "serve", add_help=False,
         help="load-test an OpenAI-compatible server (flags as vllm bench serve)",
@@ -77,15 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    from octavo.bench import load_test
+
+    bench_args = load_test.build_parser().parse_args(args.extra_args)
     try:
-        from octavo.benchmarks import load_test
+        return load_test.run(bench_args)
     except ModuleNotFoundError as exc:
+        if exc.name not in load_test.BENCH_EXTRA:
+            raise
         print(
             f"octavo: error: `octavo bench serve` needs {exc.name}: pip install 'octavo[bench]'",
             file=sys.stderr,
         )
         return 2
-    return load_test.run(load_test.build_parser().parse_args(args.extra_args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -105,7 +105,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def cli_page() -> str:
-    from octavo.benchmarks import load_test
+    from octavo.bench import load_test
 
     commands = subcommands(build_parser())
     lines = [

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from octavo.benchmarks import common, cpu_peers
-from octavo.benchmarks.peer_systems import OCTAVO_SETTINGS
+from benchmarks import common, cpu_peers
+from benchmarks.peer_systems import OCTAVO_SETTINGS
 
 # load_test.py's latency statistics, in the order they grow.
 ORDERED_STATS = ("median_ms", "p90_ms", "p99_ms")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.benchmarks.stacks import DEFAULT_PHASES, per_step_ms, under_root
+from benchmarks.stacks import DEFAULT_PHASES, per_step_ms, under_root
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ FIRST_TOKEN_ARGS = {"--layers": 1, "--hidden": 32, "--heads": 2, "--num-requests
 @pytest.mark.slow
 def test_first_token_parts_add_up_to_the_served_ttft(tmp_path):
     result_file = tmp_path / "first_token.json"
-    command = [sys.executable, "benchmarks/first_token.py",
+    command = [sys.executable, "-m", "benchmarks.first_token",
                *(str(x) for item in FIRST_TOKEN_ARGS.items() for x in item),
                "--result-file", str(result_file),
                "--server-args", "--kv-cache-gb", "0.0625"]  # fmt: skip
@@ -78,7 +78,7 @@ def test_stacks_are_counted_per_step_under_the_root(tmp_path):
 
 def test_the_contention_probe_reports_each_load(tmp_path):
     result_file = tmp_path / "contention.json"
-    command = [sys.executable, "benchmarks/cpu_contention.py", "--busy", "0", "1",
+    command = [sys.executable, "-m", "benchmarks.cpu_contention", "--busy", "0", "1",
                "--repeats", "2", "--items", "1000", "--result-file", str(result_file)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

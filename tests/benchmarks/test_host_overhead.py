@@ -43,9 +43,11 @@ EngineCore.__init__ = _init_with_a_slow_scheduler
 
 
 def slower_checkout(folder: Path) -> Path:
-    """A checkout root whose `octavo` is this one's, with every schedule() SLEEP_S slower."""
+    """A checkout root whose `octavo` and `benchmarks` are this one's, with every schedule()
+    SLEEP_S slower."""
     folder.mkdir()
     (folder / "octavo").symlink_to(ROOT / "octavo")
+    (folder / "benchmarks").symlink_to(ROOT / "benchmarks")
     (folder / "sitecustomize.py").write_text(textwrap.dedent(SLOWER_SCHEDULER))
     return folder
 
@@ -59,7 +61,7 @@ def short_commit(root: Path) -> str | None:
 def test_host_overhead_measures_a_different_baseline_and_attributes_it(tmp_path):
     result_file = tmp_path / "host_overhead.json"
     before = slower_checkout(tmp_path / "before")
-    command = [sys.executable, "benchmarks/host_overhead.py",
+    command = [sys.executable, "-m", "benchmarks.host_overhead",
                "--batch-sizes", *map(str, BATCHES), "--output-len", str(OUTPUT_LEN),
                "--prompt-len", "3-9",
                "--repeats", "1", "--before-root", str(before),

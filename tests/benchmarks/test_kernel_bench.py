@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from octavo.benchmarks import kernel_bench
+from benchmarks import kernel_bench
 from octavo.kernels.paged_attention import choose_num_splits, num_sms
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,8 @@ def test_kernel_bench_smoke_writes_its_result(tmp_path):
     result_file = tmp_path / "kernel_bench.json"
     command = [
         sys.executable,
-        "benchmarks/kernel_bench.py",
+        "-m",
+        "benchmarks.kernel_bench",
         "--smoke",
         "--sweep",
         "--result-file",

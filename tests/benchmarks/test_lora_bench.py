@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_lora_bench_smoke(tmp_path):
     path = tmp_path / "l.json"
-    command = [sys.executable, "benchmarks/lora_bench.py", "--smoke", "--result-file", str(path)]
+    command = [sys.executable, "-m", "benchmarks.lora_bench", "--smoke", "--result-file", str(path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(path.read_text())

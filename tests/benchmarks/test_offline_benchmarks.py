@@ -18,10 +18,11 @@ TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--vocab", "512",
         "--kv-cache-gb", "0.0625"]  # fmt: skip
 
 
-def run(script: str, result_file: Path, *args: str) -> dict:
+def run(module: str, result_file: Path, *args: str) -> dict:
     command = [
         sys.executable,
-        f"benchmarks/{script}",
+        "-m",
+        f"benchmarks.{module}",
         *TINY,
         *args,
         "--result-file",
@@ -37,7 +38,7 @@ def run(script: str, result_file: Path, *args: str) -> dict:
 
 def test_offline_throughput_against_both_hf_peers(tmp_path):
     result = run(
-        "offline_throughput.py", tmp_path / "o.json",
+        "offline_throughput", tmp_path / "o.json",
         "--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "2", "4", "--repeats", "1",
     )  # fmt: skip
     systems, workload = result["systems"], result["workload"]
@@ -67,7 +68,7 @@ def test_offline_throughput_against_both_hf_peers(tmp_path):
 
 def test_beam_bench_against_hf(tmp_path):
     result = run(
-        "beam_bench.py", tmp_path / "b.json",
+        "beam_bench", tmp_path / "b.json",
         "--widths", "2", "--prompt-lens", "8", "--num-requests", "2", "--max-tokens", "4",
         "--noisy-retries", "0",
     )  # fmt: skip
@@ -94,7 +95,7 @@ def test_beam_bench_against_hf(tmp_path):
 
 def test_prefix_caching_benchmark_hits_only_where_prompts_share(tmp_path):
     result = run(
-        "prefix_caching.py", tmp_path / "p.json",
+        "prefix_caching", tmp_path / "p.json",
         "--num-requests", "4", "--shared-len", "48", "--unique-len", "20", "--output-len", "2",
         "--conversations", "2", "--turns", "2", "--repeats", "1",
     )  # fmt: skip

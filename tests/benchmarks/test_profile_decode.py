@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.benchmarks import common, profile_decode
+from benchmarks import common, profile_decode
 
 ROOT = Path(__file__).resolve().parents[2]
 # The engine phases of one step that do not run inside one another.
@@ -23,7 +23,7 @@ KV_BYTES_PER_TOKEN = LAYERS * 2 * HIDDEN * 4  # K and V of every layer, float32
 
 def run_smoke(tmp_path, *flags: str) -> dict:
     result_file = tmp_path / "profile_decode.json"
-    command = [sys.executable, "benchmarks/profile_decode.py", "--smoke",
+    command = [sys.executable, "-m", "benchmarks.profile_decode", "--smoke",
                "--result-file", str(result_file), *flags]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

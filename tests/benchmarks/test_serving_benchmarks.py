@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.benchmarks import serving_throughput
+from benchmarks import serving_throughput
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "1"]
@@ -25,9 +25,10 @@ def short_commit() -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def run(script: str, result_file: Path, *args: str) -> dict:
+def run(module: str, result_file: Path, *args: str) -> dict:
     # The result file first: a script's --server-args takes the rest of the line.
-    command = [sys.executable, f"benchmarks/{script}", "--result-file", str(result_file), *args]
+    command = [sys.executable, "-m", f"benchmarks.{module}", "--result-file", str(result_file)]
+    command += args
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(result_file.read_text())
@@ -35,7 +36,7 @@ def run(script: str, result_file: Path, *args: str) -> dict:
 
 def test_serving_throughput_serves_every_token_offline_and_in_every_mode(tmp_path):
     result = run(
-        "serving_throughput.py", tmp_path / "s.json", *TINY,
+        "serving_throughput", tmp_path / "s.json", *TINY,
         "--num-requests", "6", "--prompt-len", "4-8", "--output-len", "5-9", "--repeats", "1",
         "--modes", *MODES, "--py-spy-dir", str(tmp_path / "stacks"),
         "--server-args", "--kv-cache-gb", "0.0625",  # each start zeroes its whole cache
@@ -124,7 +125,7 @@ def check_serving_throughput(result: dict) -> None:
 
 def test_api_throughput_streams_every_token_of_the_stand_in_core(tmp_path):
     result = run(
-        "api_throughput.py", tmp_path / "a.json",
+        "api_throughput", tmp_path / "a.json",
         "--concurrency", "3", "--prompt-len", "4", "--output-len", "20",
     )  # fmt: skip
     check_api_streamed(result)
@@ -149,7 +150,7 @@ def check_api_streamed(result: dict) -> None:
 
 def test_api_throughput_answers_plain_responses_unstreamed(tmp_path):
     result = run(
-        "api_throughput.py", tmp_path / "a.json",
+        "api_throughput", tmp_path / "a.json",
         "--concurrency", "3", "--prompt-len", "4", "--output-len", "2", "--unstreamed",
     )  # fmt: skip
     check_api_unstreamed(result)
@@ -168,7 +169,7 @@ def check_api_unstreamed(result: dict) -> None:
 
 
 def test_ray_serve_benchmark_serves_every_token_and_counts_prefix_hits(tmp_path):
-    check_ray_serve(run("ray_serve.py", tmp_path / "r.json", "--smoke"))
+    check_ray_serve(run("ray_serve", tmp_path / "r.json", "--smoke"))
 
 
 def check_ray_serve(result: dict) -> None:
@@ -207,7 +208,7 @@ def check_ray_serve(result: dict) -> None:
 
 def test_burst_floor_times_every_request_of_every_burst(tmp_path):
     result = run(
-        "burst_floor.py", tmp_path / "b.json", "--num-requests", "5", "--repeats", "2",
+        "burst_floor", tmp_path / "b.json", "--num-requests", "5", "--repeats", "2",
         "--client-procs", "2",
     )  # fmt: skip
     check_burst_floor(result)
@@ -225,7 +226,7 @@ def check_burst_floor(result: dict) -> None:
 
 
 def test_startup_times_each_start_to_ready_and_to_a_completion(tmp_path):
-    check_startup(run("startup.py", tmp_path / "t.json", "--runs", "1"))
+    check_startup(run("startup", tmp_path / "t.json", "--runs", "1"))
 
 
 def check_startup(result: dict) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.benchmarks import soak
+from benchmarks import soak
 
 ROOT = Path(__file__).resolve().parents[2]
 IDLE = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
@@ -23,7 +23,7 @@ PER_KIND = ["sampled", "abandoned"]
 
 def run(tmp_path: Path, *args: str) -> dict:
     result_file = tmp_path / "soak.json"
-    command = [sys.executable, "benchmarks/soak.py", *args, "--clients", str(CLIENTS)]
+    command = [sys.executable, "-m", "benchmarks.soak", *args, "--clients", str(CLIENTS)]
     command += ["--sample-s", "0.2", "--result-file", str(result_file), "--plot-dir", str(tmp_path)]
     command += ["--server-args", *SERVER_ARGS]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

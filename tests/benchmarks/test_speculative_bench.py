@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_speculative_decoding_smoke(tmp_path):
     path = tmp_path / "s.json"
     # float32: the tokens must then be plain's exactly, whatever the batch shapes.
-    command = [sys.executable, "benchmarks/speculative_decoding.py", "--smoke",
+    command = [sys.executable, "-m", "benchmarks.speculative_decoding", "--smoke",
                "--dtype", "float32", "--result-file", str(path)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from octavo.benchmarks import step_latency
+from benchmarks import step_latency
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_step_latency_smoke_writes_its_result(tmp_path):
     result_file = tmp_path / "step_latency.json"
-    command = [sys.executable, "benchmarks/step_latency.py", "--smoke", "--device", "cpu",
+    command = [sys.executable, "-m", "benchmarks.step_latency", "--smoke", "--device", "cpu",
                "--result-file", str(result_file)]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

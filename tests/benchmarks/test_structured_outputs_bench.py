@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.benchmarks import structured_outputs
+from benchmarks import structured_outputs
 from octavo.server.server_args import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ SMOKE = {"num_requests": 4, "output_len": 4, "repeats": 1, "ttft_repeats": 2}
 
 def test_structured_outputs_smoke_writes_consistent_figures(tmp_path):
     result_file = tmp_path / "structured_outputs.json"
-    command = [sys.executable, "benchmarks/structured_outputs.py", "--smoke",
+    command = [sys.executable, "-m", "benchmarks.structured_outputs", "--smoke",
                "--result-file", str(result_file)]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

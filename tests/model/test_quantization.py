@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from octavo.benchmarks import quantization_quality as quality
+from benchmarks import quantization_quality as quality
 from octavo.engine import LLM, EngineConfig, SamplingParams
 from octavo.engine.config import cpu_computes_int8
 from octavo.engine.worker.models.linear import Linear

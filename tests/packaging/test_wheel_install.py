@@ -1,11 +1,13 @@
 """The install path a user takes: build the wheel, install it without extras into
 a fresh venv (torch pinned as constraints.txt says), serve the embedded default model with the
 installed `octavo` command and complete a request through it; the only top-level import the
-wheel adds is `octavo`, and `octavo bench serve` names the extra it needs."""
+wheel adds is `octavo`, it holds the product and none of the benchmark scripts but the
+load-test client, and `octavo bench serve` prints its flags and names the extra it needs."""
 
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -27,12 +29,18 @@ def run(*command: str | Path, cwd: Path = ROOT, timeout: float = INSTALL_TIMEOUT
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> Path:
+def wheel(tmp_path_factory) -> Path:
+    """The octavo wheel, built from this checkout."""
+    dist = tmp_path_factory.mktemp("dist")
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", ".", "-w", dist)
+    (built,) = dist.glob("octavo-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
     """A fresh venv holding torch (pinned) and the octavo wheel without extras."""
-    tmp = tmp_path_factory.mktemp("packaging")
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", ".", "-w", tmp / "dist")
-    (wheel,) = (tmp / "dist").glob("octavo-*.whl")
-    venv = tmp / "venv"
+    venv = tmp_path_factory.mktemp("packaging") / "venv"
     run(sys.executable, "-m", "venv", venv)
     # --no-compile: pip byte-compiles every installed module (torch's thousands); what these
     # tests check needs only the modules they import, which compile on first use.
@@ -43,6 +51,22 @@ def venv(tmp_path_factory) -> Path:
     run(*pip, "torch==2.13.0")
     run(*pip, wheel)
     return venv
+
+
+def test_the_wheel_holds_the_product_and_of_the_benchmarks_only_the_load_test_client(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        contents = {name: archive.read(name) for name in archive.namelist()}
+    # A build/ folder left by a build of an older tree adds its files too: `make clean`.
+    package = {n.split("/")[1] for n in contents if n.startswith("octavo/") and n.count("/") > 1}
+    assert package == {"engine", "kernels", "server", "bench"}, package
+    bench = {n for n in contents if n.startswith("octavo/bench/")}
+    assert bench == {f"octavo/bench/{m}.py" for m in ("__init__", "host", "load_test")}, bench
+    # By content, wherever in the package a copy would land.
+    shipped = set(contents.values())
+    scripts = [p for p in (ROOT / "benchmarks").rglob("*.py") if p.name != "__init__.py"]
+    assert scripts, "no benchmark scripts found"
+    copied = sorted(str(p.relative_to(ROOT)) for p in scripts if p.read_bytes() in shipped)
+    assert not copied, f"benchmark scripts in the wheel: {copied}"
 
 
 def test_the_wheel_adds_only_the_octavo_package(venv, tmp_path):
@@ -100,7 +124,9 @@ def test_the_installed_command_serves_the_default_model(venv, tmp_path):
         assert server.wait(timeout=60) == 0, log.read_text()
 
 
-def test_bench_serve_names_the_extra_it_needs(venv, tmp_path):
+def test_bench_serve_prints_its_flags_and_names_the_extra_it_needs(venv, tmp_path):
+    flags = run(venv / "bin" / "octavo", "bench", "serve", "--help", cwd=tmp_path)
+    assert "--request-rate" in flags and "--goodput" in flags, flags
     result = subprocess.run(
         [venv / "bin" / "octavo", "bench", "serve", "--num-prompts", "1"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,

@@ -1,4 +1,4 @@
-"""benchmarks/load_test.py (octavo bench serve) against live servers."""
+"""`octavo bench serve` (octavo/bench/load_test.py) against live servers."""
 
 import json
 import subprocess

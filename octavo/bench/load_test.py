@@ -7,9 +7,11 @@ p90, p99) and goodput under --goodput SLOs. Failed requests are listed with thei
 never averaged away, and make the run exit with status 1. --sweep-rates runs one pass per
 rate. Results go to --result-file (JSON) and, with --plot-dir, PNG plots.
 
-    .venv/bin/python benchmarks/load_test.py --base-url http://127.0.0.1:8000 \\
+    .venv/bin/octavo bench serve --base-url http://127.0.0.1:8000 \\
         --num-prompts 200 --random-input-len 128 --random-output-len 64 --request-rate 8
-    .venv/bin/octavo bench serve ...        # the same
+
+The flags parse (and --help prints) with the base install; sending needs httpx and --plot-dir
+matplotlib, the `bench` extra (BENCH_EXTRA).
 """
 
 from __future__ import annotations
@@ -26,13 +28,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
 from tqdm.auto import tqdm
 
-from octavo.benchmarks.provenance import host_info
+from octavo.bench.host import host_info
+
+if TYPE_CHECKING:  # imported where requests are sent: the flags need no bench extra
+    import httpx
 
 PERCENTILES = (50, 90, 99)
+# The modules of the `bench` extra (pip install 'octavo[bench]').
+BENCH_EXTRA = ("httpx", "matplotlib")
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,8 @@ DATASETS = {"random": random_dataset, "jsonl": jsonl_dataset, "sharegpt": shareg
 async def send(
     client: httpx.AsyncClient, args: argparse.Namespace, model: str, request: BenchRequest
 ) -> RequestResult:
+    import httpx
+
     result = RequestResult(request.prompt_len, request.output_len)
     body = {
         "model": model,
@@ -201,6 +210,8 @@ async def run_pass(
     rng: random.Random,
 ) -> tuple[list[RequestResult], float]:
     """Sends every request at `rate` (inf: all at once); returns results and duration."""
+    import httpx
+
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.request_timeout)
@@ -397,10 +408,6 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> int:
     """Runs the load test described by parsed flags; 1 when any request failed."""
     if args.dataset_name != "random" and not args.dataset_path:
@@ -464,13 +471,11 @@ def _jsonable(value):
 
 
 def _first_model(args: argparse.Namespace) -> str:
+    import httpx
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         data = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()
         return data["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise SystemExit(f"cannot list models at {args.base_url}: {exc}") from exc
-
-
-if __name__ == "__main__":
-    sys.exit(main())
