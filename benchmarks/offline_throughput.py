@@ -292,7 +292,7 @@ def bench_octavo(args: argparse.Namespace, folder: Path, workload: Workload) -> 
         ),
     )
     llm = common.make_llm(folder, args, async_scheduling=args.async_scheduling)
-    result.notes += f"async_scheduling={llm.engine.config.schedules_ahead}."
+    result.notes += f"async_scheduling={llm.engine.config.uses_async_scheduling}."
     run_octavo(llm, warmup_workload(workload))
     walls, outputs = timed(lambda _: run_octavo(llm, workload), args.device, args.repeats)
     preemptions = llm.engine.stats().num_preemptions

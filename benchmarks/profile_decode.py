@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         **common.result_header("profile_decode", args.device),
         "settings": {
             **{key: getattr(args, key) for key in SETTINGS},
-            "async_scheduling": engine.config.schedules_ahead,
-            "prefill_interval": engine.config.admission_interval,
+            "async_scheduling": engine.config.uses_async_scheduling,
+            "prefill_interval": engine.config.effective_prefill_interval,
         },
         "copy_bandwidth_gbps": bandwidth / 1e9 if bandwidth else None,
         "rows": rows,

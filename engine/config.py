@@ -263,7 +263,7 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
-    def schedules_ahead(self) -> bool:
+    def uses_async_scheduling(self) -> bool:
         """Whether steps are scheduled one ahead: `async_scheduling`, or by device if unset."""
         if self.async_scheduling is None:
             return self.device_type == "cuda"
@@ -301,7 +301,7 @@ class EngineConfig:
         return self.piecewise_cuda_graphs
 
     @property
-    def admission_interval(self) -> int:
+    def effective_prefill_interval(self) -> int:
         """The steps between admissions while sequences decode: `prefill_interval`, or by
         whether decode steps replay CUDA graphs if unset."""
         if self.prefill_interval is None:

@@ -70,7 +70,7 @@ class EngineCore:
             SchedulerConfig(
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
-                config.admission_interval,
+                config.effective_prefill_interval,
                 config.max_loras,
             ),
             self.block_manager,
@@ -90,10 +90,10 @@ class EngineCore:
         # Async scheduling: the step launched last, applied after the next one is launched.
         self._in_flight: tuple[ScheduledStep, StepFuture] | None = None
         # Resolved once: the config is frozen, and resolving it per step would ask torch.
-        self._schedules_ahead = config.schedules_ahead
+        self._async_scheduling = config.uses_async_scheduling
         # Requests that need their steps in order (SequenceGroup.needs_sync_steps): while
         # one runs, steps are applied before the next.
-        self._sync_only: set[str] = set()
+        self._needs_sync_steps: set[str] = set()
         # Called with each step's worker input just before it launches: a way to watch
         # steps, or to fail one as a model fault would (an observer that raises fails the
         # step, and the engine's fatal path follows).
@@ -134,7 +134,7 @@ class EngineCore:
         group.seqs.append(seq)
         self._groups[request.request_id] = group
         if group.needs_sync_steps:
-            self._sync_only.add(request.request_id)
+            self._needs_sync_steps.add(request.request_id)
         self.scheduler.add(group)
 
     def _add_lora(self, lora_request: LoRARequest | None) -> int:
@@ -161,7 +161,7 @@ class EngineCore:
         if group is None:
             return None
         self.scheduler.abort(group)
-        self._sync_only.discard(request_id)
+        self._needs_sync_steps.discard(request_id)
         return final_output(group, [])
 
     def abort_sample(self, request_id: str, index: int) -> None:
@@ -169,7 +169,7 @@ class EngineCore:
         group = self._groups.get(request_id)
         if group is not None and self.scheduler.abort_sample(group, index):
             del self._groups[request_id]
-            self._sync_only.discard(request_id)
+            self._needs_sync_steps.discard(request_id)
 
     def apply(self, inputs: EngineCoreInputs) -> list[EngineCoreOutput]:
         """Applies what the front end sent, in order: adds, aborts, sample aborts. Returns
@@ -225,8 +225,8 @@ class EngineCore:
         are scheduled one ahead (`async_scheduling`: N's tokens then feed N + 1 on the
         device). Returns the outputs of requests that progressed."""
         outputs: list[EngineCoreOutput] = []
-        lag = self._schedules_ahead and not self._sync_only
-        if not lag:  # a request that needs sync steps came in while one was in flight
+        ahead = self._async_scheduling and not self._needs_sync_steps
+        if not ahead:  # a request that needs sync steps came in while one was in flight
             outputs += self._apply_in_flight()
         scheduled = self.scheduler.schedule()
         launched = None
@@ -239,7 +239,7 @@ class EngineCore:
             self._num_steps += 1
         outputs += self._apply_in_flight()
         self._in_flight = launched
-        if not lag:
+        if not ahead:
             outputs += self._apply_in_flight()
         if self._speculative is not None:
             self._propose_drafts(self._speculative)
@@ -293,7 +293,7 @@ class EngineCore:
         update = self.scheduler.update(scheduled, launched.result())
         for group in update.finished:
             del self._groups[group.request_id]
-            self._sync_only.discard(group.request_id)
+            self._needs_sync_steps.discard(group.request_id)
         return update.outputs
 
     def stats(self) -> EngineStats:

@@ -87,10 +87,10 @@ def test_the_prefill_interval_defaults_to_the_graph_interval_only_where_graphs_r
     not held back. A value given is kept either way."""
     config = EngineConfig(model="m", **settings)
     assert config.uses_cuda_graphs is graph_interval
-    assert config.admission_interval == (GRAPH_PREFILL_INTERVAL if graph_interval else 1)
+    assert config.effective_prefill_interval == (GRAPH_PREFILL_INTERVAL if graph_interval else 1)
     for given in (1, 3):
         given_config = EngineConfig(model="m", prefill_interval=given, **settings)
-        assert given_config.admission_interval == given
+        assert given_config.effective_prefill_interval == given
 
 
 @pytest.mark.parametrize(
