@@ -18,7 +18,9 @@ from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A validated request; exactly one of sampling_params / beam_params is set.
-    `all_stop_token_ids`: the tokens that end its samples (`stop_rules.stop_token_set`)."""
+    `all_stop_token_ids`: the tokens that end its samples (`stop_rules.stop_token_set`);
+    `grammar` and `bad_words_token_ids`: what the front end derived from its parameters
+    (ProcessedPrompt's)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -27,6 +29,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams | None = None
     beam_params: BeamSearchParams | None = None
     lora_request: LoRARequest | None = None
+    grammar: str | None = None
+    bad_words_token_ids: list[list[int]] = []
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:

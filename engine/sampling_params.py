@@ -115,12 +115,6 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # The llguidance grammar of `structured_outputs`, compiled and validated by the engine's
-    # InputProcessor: the core and the worker read this, never the constraint itself.
-    grammar: str | None = field(default=None, repr=False)
-    # The token ids of each bad word (with and without a leading space), filled in by the
-    # engine's InputProcessor from `bad_words` with the model's tokenizer.
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -280,7 +274,6 @@ class SamplingParams:
             or self.logit_bias
             or self.allowed_token_ids is not None
             or self.bad_words
-            or self.bad_words_token_ids
         )
 
     @property
@@ -316,7 +309,6 @@ class BeamSearchParams:
     skip_special_tokens: bool = True
     # Every beam follows the constraint (its state forks with the beam), as SamplingParams'.
     structured_outputs: StructuredOutputsParams | None = None
-    grammar: str | None = field(default=None, repr=False)  # as SamplingParams.grammar
 
     def __post_init__(self) -> None:
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)

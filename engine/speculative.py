@@ -112,8 +112,8 @@ def can_speculate(params: SamplingParams | BeamSearchParams) -> bool:
         isinstance(params, SamplingParams)
         and not params.has_penalties
         and params.min_tokens == 0
-        and not params.bad_words_token_ids
-        and params.grammar is None
+        and not params.bad_words
+        and params.structured_outputs is None
     )
 
 

@@ -34,15 +34,18 @@ class PromptLogprobsSpan(msgspec.Struct, frozen=True):
 class NewSampledSequence(msgspec.Struct, frozen=True, gc=False):
     """A sequence the worker samples for the first time (a prompt's end, or a sample forked
     off it): its request's parameters, its prompt (repetition penalty), its place among the
-    request's samples (a seeded request's sample i draws from seed + i) and its stop tokens
-    (kept from being drawn before min_tokens). The worker keeps the state this starts,
-    through preemption, until the sequence is listed finished."""
+    request's samples (a seeded request's sample i draws from seed + i), its stop tokens
+    (kept from being drawn before min_tokens), and its structured-output grammar and bad
+    words' token ids (the front end's, from the params). The worker keeps the state this
+    starts, through preemption, until the sequence is listed finished."""
 
     seq_id: int
     params: SamplingParams
     prompt_token_ids: list[int]
     sample_index: int
     stop_token_ids: list[int]
+    grammar: str | None = None
+    bad_words_token_ids: list[list[int]] = []
 
 
 class BeamChoice(msgspec.Struct, frozen=True, gc=False):

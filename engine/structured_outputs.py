@@ -3,7 +3,7 @@
 
 The front end turns a constraint into grammar text and validates it (`compile_grammar`,
 cached), so a bad schema, regex or grammar is refused before anything is queued and the core
-receives only the grammar text (`SamplingParams.grammar`, `BeamSearchParams.grammar`). The
+receives only the grammar text (`ProcessedPrompt.grammar`, carried by the core request). The
 worker keeps one matcher per sampled sequence or beam, built from that text, and masks their
 logits each step (engine/worker/grammar.py).
 """

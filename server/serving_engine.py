@@ -255,7 +255,7 @@ class EngineServing(ABC, Generic[RequestT]):
                     f"prompt has {len(processed.token_ids)} and max_tokens is {max_tokens}",
                 )
             text = prompt if isinstance(prompt, str) else None
-            return ProcessedPrompt(text, processed.token_ids), params
+            return dataclasses.replace(processed, text=text), params
         except ParameterError as exc:
             param = request.client_param(exc.param)
             raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=param) from exc

@@ -123,6 +123,8 @@ class EngineCore:
                 spec.num_speculative_tokens if spec and can_speculate(params) else 0
             ),
             lora_int_id=self._add_lora(request.lora_request),
+            grammar=request.grammar,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
         if isinstance(params, BeamSearchParams):
             group.beam = BeamState.create(

@@ -304,7 +304,7 @@ class Scheduler:
             self._new_sampled.append(
                 NewSampledSequence(
                     seq.seq_id, group.sampling, group.prompt_token_ids, seq.index,
-                    list(group.stop_token_ids),
+                    list(group.stop_token_ids), group.grammar, group.bad_words_token_ids,
                 )
             )  # fmt: skip
         return row

@@ -156,6 +156,10 @@ class SequenceGroup:
     final_only: bool = field(init=False)
     # Asks for prompt logprobs: an attribute, read for every scheduled sequence of a step.
     wants_prompt_logprobs: bool = field(init=False)
+    # What the front end derived from its params (ProcessedPrompt's): the structured-output
+    # grammar, and the token ids of its bad words.
+    grammar: str | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # A beam search's structured-output grammar (None: unconstrained, or not a beam search).
     beam_grammar: str | None = field(init=False)
     # Needs every token on the host before its next step is scheduled, so steps run in
@@ -177,12 +181,12 @@ class SequenceGroup:
         self.wants_prompt_logprobs = (
             isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         )
-        self.beam_grammar = params.grammar if isinstance(params, BeamSearchParams) else None
+        self.beam_grammar = self.grammar if isinstance(params, BeamSearchParams) else None
         self.needs_sync_steps = isinstance(params, BeamSearchParams) or bool(
             self.num_speculative_tokens
-            or params.bad_words_token_ids
+            or self.bad_words_token_ids
             or params.prompt_logprobs is not None
-            or params.grammar
+            or self.grammar
         )
 
     @property

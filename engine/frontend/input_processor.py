@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
 from octavo.engine.errors import ParameterError
@@ -15,10 +15,16 @@ from octavo.engine.structured_outputs import compile_grammar
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    """A validated prompt: its text (None when given as token ids) and its token ids."""
+    """A validated prompt: its text (None when given as token ids) and its token ids, with
+    what the engine derived from its request's parameters, which stay as the caller made
+    them: the llguidance grammar of `structured_outputs` (compiled and validated here; the
+    core and the worker read it, never the constraint itself) and the token ids of each of
+    `bad_words` (with and without a leading space, by the model's tokenizer)."""
 
     text: str | None
     token_ids: list[int]
+    grammar: str | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 class InputProcessor:
@@ -34,20 +40,21 @@ class InputProcessor:
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
     ) -> ProcessedPrompt:
         text, token_ids = self._tokenize(prompt)
+        grammar, bad_words_token_ids = None, []
         if isinstance(params, SamplingParams):
             keep = params.truncate_prompt_tokens
             if keep is not None and keep < len(token_ids):
                 text, token_ids = None, token_ids[-keep:]  # the text is the kept tokens'
             if params.bad_words:
-                params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+                bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:
             if self.tokenizer is None:  # the worker masks through the tokenizer's tokens
                 raise ParameterError(
                     "structured_outputs", "structured_outputs: this model has no tokenizer.json"
                 )
-            params.grammar = compile_grammar(params.structured_outputs)
-        self._validate(token_ids, params)
-        return ProcessedPrompt(text, token_ids)
+            grammar = compile_grammar(params.structured_outputs)
+        self._validate(token_ids, params, bad_words_token_ids)
+        return ProcessedPrompt(text, token_ids, grammar, bad_words_token_ids)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's rule: each word as tokenized at the start of a text and after a space (the
@@ -71,17 +78,19 @@ class InputProcessor:
         arrival_time: float,
         lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
-        """The request the core takes: with its stop tokens computed, once, here."""
-        stops = self._stop_token_ids(params)
-        if isinstance(params, BeamSearchParams):
-            return EngineCoreRequest(
-                request_id, prompt.token_ids, arrival_time, stops, beam_params=params,
-                lora_request=lora_request,
-            )  # fmt: skip
+        """The request the core takes: with its stop tokens computed, once, here, and what
+        process_inputs derived from its parameters."""
         return EngineCoreRequest(
-            request_id, prompt.token_ids, arrival_time, stops, sampling_params=params,
+            request_id,
+            prompt.token_ids,
+            arrival_time,
+            self._stop_token_ids(params),
+            sampling_params=params if isinstance(params, SamplingParams) else None,
+            beam_params=params if isinstance(params, BeamSearchParams) else None,
             lora_request=lora_request,
-        )  # fmt: skip
+            grammar=prompt.grammar,
+            bad_words_token_ids=prompt.bad_words_token_ids,
+        )
 
     def _stop_token_ids(self, params: SamplingParams | BeamSearchParams) -> list[int]:
         return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_ids)
@@ -99,7 +108,12 @@ class InputProcessor:
             raise ParameterError("prompt", "prompt must be a string or a list of integer token ids")
         return None, list(prompt)
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+    def _validate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        bad_words_token_ids: list[list[int]],
+    ) -> None:
         limits = self.limits
         if not prompt_ids:
             raise ParameterError("prompt", "prompt must not be empty")
@@ -137,7 +151,7 @@ class InputProcessor:
                 ("logit_bias", list(params.logit_bias or ())),
                 ("allowed_token_ids", params.allowed_token_ids or []),
                 # A tokenizer may know more tokens than the model: never index past its logits.
-                ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
+                ("bad_words", [t for word in bad_words_token_ids for t in word]),
             ):
                 bad_ids = [t for t in ids if t >= vocab]
                 if bad_ids:

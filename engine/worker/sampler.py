@@ -169,7 +169,7 @@ class Sampler:
     def _bad_words_mask(request: SamplingState) -> list[int]:
         """The last token of each bad word whose other tokens end the output so far (a
         one-token word: always)."""
-        words = request.params.bad_words_token_ids
+        words = request.bad_words_token_ids
         if not words:
             return []
         output = request.output_token_ids

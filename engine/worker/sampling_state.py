@@ -17,8 +17,8 @@ class SamplingState:
     """One sampled sequence's state, from its first sampled step until the scheduler lists it
     finished (a preempted sequence keeps it: its seeded draws go on where they stopped).
 
-    `output_token_ids` holds the tokens that reached the host, kept only when the
-    parameters read them (bad words); requests with those never run a step ahead, so every
+    `output_token_ids` holds the tokens that reached the host, kept only when
+    `bad_words_token_ids` read them; requests with those never run a step ahead, so every
     earlier token is there when a row is sampled (penalties read counts kept on the device
     instead: `PenaltyCounts`). `matcher`: where a constrained
     sequence is in its grammar, advanced by every token that reaches the host (such requests
@@ -32,6 +32,7 @@ class SamplingState:
     generator: torch.Generator | None
     keeps_outputs: bool
     matcher: LLMatcher | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     slot: int = -1
 
@@ -43,8 +44,9 @@ class SamplingState:
         generator = None
         if params.seed is not None:  # vLLM seeds parallel samples seed + index
             generator = torch.Generator(device=device).manual_seed(params.seed + new.sample_index)
-        keeps_outputs = bool(params.bad_words_token_ids)
-        matcher = None if params.grammar is None else grammars.matcher(params.grammar)
+        words = new.bad_words_token_ids
+        matcher = None if new.grammar is None else grammars.matcher(new.grammar)
         return cls(
-            params, new.prompt_token_ids, new.stop_token_ids, generator, keeps_outputs, matcher
-        )
+            params, new.prompt_token_ids, new.stop_token_ids, generator, bool(words), matcher,
+            words,
+        )  # fmt: skip

@@ -93,7 +93,7 @@ def test_an_abort_with_a_step_in_flight_frees_everything(tiny_model_dir):
 
 def test_requests_that_need_every_token_first_run_without_the_lag(tiny_model_dir):
     # A bad word's ban depends on the tokens before it: the host must have them all.
-    banning = SamplingParams(temperature=0, max_tokens=10, bad_words_token_ids=[[9, 8]])
+    banning = SamplingParams(temperature=0, max_tokens=10, bad_words=["*)"])
     plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [[9, 9, 8, 9, 8], [1, 2, 3]]
     want = run_to_completion(make_engine(tiny_model_dir, False), prompts, [banning, plain])

@@ -73,8 +73,7 @@ def test_bad_words_equal_hf_bad_words_ids(engine, hf_tiny, prompts, tiny_model_d
     # Words the model writes on its own: their last tokens must now be avoided.
     words = [tokenizer.decode(plain[0][2:4]), tokenizer.decode(plain[1][5:6])]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words)
-    engine.input_processor.process_inputs(prompts[0], params)  # tokenizes the words
-    banned = params.bad_words_token_ids
+    banned = engine.input_processor.process_inputs(prompts[0], params).bad_words_token_ids
     assert banned and any(len(w) > 1 for w in banned)
     # vLLM matches a word's first tokens in the output only; HF in prompt + output: prompts
     # must not end inside a word for the two to agree.
@@ -133,6 +132,27 @@ def test_best_of_below_n_is_refused(engine):
     with pytest.raises(ParameterError) as raised:
         SamplingParams(n=3, best_of=2)
     assert raised.value.param == "best_of"
+
+
+def test_the_callers_params_stay_as_made_and_serve_any_number_of_requests(engine):
+    """What the engine derives (the bad words' token ids, the grammar) goes with the request,
+    not onto the caller's object: one params object shared by requests is never written."""
+    from dataclasses import asdict
+
+    from octavo.engine.structured_outputs import StructuredOutputsParams
+
+    words = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, bad_words=["the"])
+    choice = SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes"])
+    )
+    made = asdict(words), asdict(choice)  # its fields (its cached properties aside)
+    processed = engine.input_processor.process_inputs([1, 2, 3], words)
+    assert processed.bad_words_token_ids and processed.grammar is None
+    assert engine.input_processor.process_inputs([1, 2, 3], choice).grammar
+    outputs = run_to_completion(engine, [[1, 2, 3]] * 2 + [[4, 5]] * 2, [words] * 2 + [choice] * 2)
+    assert (asdict(words), asdict(choice)) == made
+    assert [o.outputs[0].text for o in outputs[2:]] == ["yes", "yes"]
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
 def test_bad_words_past_the_models_vocabulary_are_refused(tiny_model_dir):

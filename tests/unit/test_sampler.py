@@ -30,11 +30,14 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
     return [torch.isfinite(row).nonzero().squeeze(1).tolist() for row in logits]
 
 
-def request(prompt=(1,), output=(), seed=None, **params) -> SamplingState:
-    """The worker's state of a sequence with `output` sampled so far."""
+def request(prompt=(1,), output=(), seed=None, bad_words_token_ids=(), **params) -> SamplingState:
+    """The worker's state of a sequence with `output` sampled so far (`bad_words_token_ids`:
+    its bad words as the front end tokenized them)."""
     sampling = SamplingParams(seed=seed, **params)
     stops = stop_token_set(sampling.stop_token_ids, sampling.ignore_eos, [EOS])
-    new = NewSampledSequence(0, sampling, list(prompt), 0, stops)
+    new = NewSampledSequence(
+        0, sampling, list(prompt), 0, stops, bad_words_token_ids=list(bad_words_token_ids)
+    )
     state = SamplingState.create(new, torch.device("cpu"), GRAMMARS)
     state.output_token_ids += list(output)
     return state
@@ -219,8 +222,9 @@ def test_penalised_greedy_row_changes_its_choice():
 def test_token_controls_match_a_hand_computation():
     sampler = Sampler(torch.Generator().manual_seed(0), GRAMMARS)
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.5]] * 5)
-    bad = request(output=[9, 2], temperature=0.0)
-    bad.params.bad_words_token_ids = [[1], [2, 0], [7, 2]]  # 1 always; 0 after 2; 2 after 7
+    # 1 always; 0 after 2; 2 after 7 (the words' text is the tokenizer's business)
+    bad_words = {"bad_words": ["a", "b c", "d e"], "bad_words_token_ids": [[1], [2, 0], [7, 2]]}
+    bad = request(output=[9, 2], temperature=0.0, **bad_words)
     reqs = [
         request(temperature=0.0, logit_bias={4: 4.5}),  # 1.0 + 4.5 beats 5.0
         request(temperature=0.0, logit_bias={0: -100.0, 1: -100.0}),
