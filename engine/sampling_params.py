@@ -37,22 +37,6 @@ def _check_bool(name: str, value: object) -> None:
         raise ParameterError(name, f"{name} must be True or False, got {value!r}")
 
 
-def _validate_structured_outputs(constraint: object, ignore_eos: bool, min_tokens: int) -> None:
-    """A constraint is a StructuredOutputsParams, and it decides where the output ends (EOS
-    is allowed exactly where its grammar accepts): neither ignore_eos nor min_tokens."""
-    if constraint is None:
-        return
-    if not isinstance(constraint, StructuredOutputsParams):
-        raise ParameterError(
-            "structured_outputs",
-            f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}",
-        )
-    if ignore_eos:
-        raise ParameterError("ignore_eos", "ignore_eos cannot be combined with structured outputs")
-    if min_tokens:
-        raise ParameterError("min_tokens", "min_tokens cannot be combined with structured outputs")
-
-
 def _check_finite(name: str, value: object) -> None:
     """Numbers only (no bools), and neither NaN nor an infinity."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -67,8 +51,65 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = "final_only"  # once, when the request finishes
 
 
+@dataclass(kw_only=True)
+class GenerationParams:
+    """What sampling and beam search share: the length bounds (max_tokens generated at most,
+    min_tokens before a stop token may end a sample), the stop tokens (`stop_token_ids`
+    beside EOS, which `ignore_eos` drops), whether the text skips special tokens, and a
+    `structured_outputs` constraint, which decides where the output ends (EOS is allowed
+    exactly where its grammar accepts) and so takes neither ignore_eos nor min_tokens.
+    Keyword-only, after each kind's own fields."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    # None is taken for [] (vLLM accepts it); stored as a list.
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ParameterError(
+                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        if self.min_tokens > self.max_tokens:
+            raise ParameterError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            )
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ParameterError(
+                "stop_token_ids",
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
+            )
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        if not isinstance(constraint, StructuredOutputsParams):
+            raise ParameterError(
+                "structured_outputs",
+                f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}",
+            )
+        if self.ignore_eos:
+            raise ParameterError(
+                "ignore_eos", "ignore_eos cannot be combined with structured outputs"
+            )
+        if self.min_tokens:
+            raise ParameterError(
+                "min_tokens", "min_tokens cannot be combined with structured outputs"
+            )
+
+
 @dataclass
-class SamplingParams:
+class SamplingParams(GenerationParams):
     """How to pick the next tokens of one request.
 
     temperature 0 (or below MIN_SAMPLING_TEMPERATURE) is greedy. top_k <= 0 and top_p == 1
@@ -100,35 +141,27 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    # None is taken for [] (vLLM accepts it); stored as a list.
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    max_tokens: int = 16
-    min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.stop_strings = (
             [self.stop] if isinstance(self.stop, str) else _as_list("stop", self.stop)
         )
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
         if self.bad_words is not None:
             self.bad_words = _as_list("bad_words", self.bad_words)
         self._validate()
         self._validate_token_controls()
-        _validate_structured_outputs(self.structured_outputs, self.ignore_eos, self.min_tokens)
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -142,8 +175,7 @@ class SamplingParams:
             "top_p", "min_p",
         ):  # fmt: skip
             _check_finite(name, getattr(self, name))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            _check_bool(name, getattr(self, name))
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.seed is not None and (
             not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
         ):
@@ -175,30 +207,12 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ParameterError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-            )
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ParameterError(
-                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
-            )
-        if self.min_tokens > self.max_tokens:
-            raise ParameterError(
-                "min_tokens",
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
-            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise ParameterError(name, f"{name} must be an integer >= 0, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ParameterError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ParameterError(
-                "stop_token_ids",
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
-            )
 
     def _validate_token_controls(self) -> None:
         if self.logit_bias is not None:
@@ -286,7 +300,7 @@ class SamplingParams:
 
 
 @dataclass
-class BeamSearchParams:
+class BeamSearchParams(GenerationParams):
     """Beam search with Hugging Face `generate(num_beams=...)` semantics.
 
     beam_width beams are kept; each step the 2 x beam_width (more with several stop tokens)
@@ -296,33 +310,21 @@ class BeamSearchParams:
     finished; False stops when no running beam can beat the worst finished one at its current
     length; "never" assumes the longest possible length when length_penalty > 0. A beam_width
     of 1 is greedy decoding, as in HF. The num_return_sequences best hypotheses are returned.
+    A structured_outputs constraint holds for every beam (its grammar state forks with it).
     """
 
     beam_width: int
-    max_tokens: int = 16
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)  # None is taken for []
-    skip_special_tokens: bool = True
-    # Every beam follows the constraint (its state forks with the beam), as SamplingParams'.
-    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        super().__post_init__()
         if not _is_int(self.beam_width) or self.beam_width < 1:
             raise ParameterError(
                 "beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}"
             )
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ParameterError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-            )
         _check_finite("length_penalty", self.length_penalty)
-        for name in ("ignore_eos", "skip_special_tokens"):
-            _check_bool(name, getattr(self, name))
         if not _is_int(self.num_return_sequences) or not (
             1 <= self.num_return_sequences <= self.beam_width
         ):
@@ -337,16 +339,6 @@ class BeamSearchParams:
                 "early_stopping",
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
             )
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ParameterError(
-                "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"
-            )
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ParameterError(
-                "stop_token_ids",
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
-            )
-        _validate_structured_outputs(self.structured_outputs, self.ignore_eos, self.min_tokens)
 
     @property
     def n(self) -> int:

@@ -8,7 +8,7 @@ from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
 from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.lora_request import LoRARequest
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, GenerationParams, SamplingParams
 from octavo.engine.stop_rules import length_limit, stop_token_set
 from octavo.engine.structured_outputs import compile_grammar
 
@@ -92,7 +92,7 @@ class InputProcessor:
             bad_words_token_ids=prompt.bad_words_token_ids,
         )
 
-    def _stop_token_ids(self, params: SamplingParams | BeamSearchParams) -> list[int]:
+    def _stop_token_ids(self, params: GenerationParams) -> list[int]:
         return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_ids)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
