@@ -119,18 +119,16 @@ case $stage in
 tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     "$python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
-    gpu_tests gpu_tests tests/kernels tests/engine tests/model
-    # The CPU engine and model suites as they are, every engine moved to CUDA (float32 kept):
+    gpu_tests gpu_tests tests/kernels tests/engine
+    # The CPU engine suite (models included) as it is, every engine moved to CUDA (float32 kept):
     # GPT-2 variants and GPTBigCode (multi-query kernels), CUDA graphs,
     # pinned copies and one-step-ahead scheduling against the same HF oracle.
     # Eight workers (pytest-xdist is on the GPU image; the machine has 16 cores): one after
     # another the tests take longer than a 10-minute call, most of it Triton compiling each
     # test's shapes. -v names each test as it ends; CUDA_SUITE_LIMIT_S (seconds) interrupts the
-    # run with SIGINT, on which pytest still prints its summary of the failures so far. The
-    # GPU image has no Ray (the `ray` extra): its unit tests, which hold no device code, stay out.
+    # run with SIGINT, on which pytest still prints its summary of the failures so far.
     step engine_suite_on_cuda timeout --signal INT --kill-after 30 "${CUDA_SUITE_LIMIT_S:-540}" \
-        "$python" -m pytest -v -rf -n 8 tests/engine tests/model tests/unit -m "not gpu" \
-        --ignore tests/unit/test_ray_routing.py --ignore tests/unit/test_replica_metrics.py \
+        "$python" -m pytest -v -rf -n 8 tests/engine -m "not gpu" \
         --engine-device cuda -p no:cacheprovider --timeout 300
     ;;
 kernels)
@@ -288,7 +286,7 @@ compare)
         step "profile_before_$round" before_python -m benchmarks.profile_decode \
             "${profile[@]}" --result-file "$out/profile_before_$round.json"
         if [[ $round -eq 1 ]]; then
-            gpu_tests gpu_tests tests/kernels tests/engine tests/model
+            gpu_tests gpu_tests tests/kernels tests/engine
         fi
     done
     ;;
@@ -309,7 +307,7 @@ speculative)
     done
     ;;
 lora)
-    step lora_tests "$python" -m pytest -v -rf -n 4 tests/engine/test_lora.py tests/kernels/test_lora_kernel.py \
+    step lora_tests "$python" -m pytest -v -rf -n 4 tests/engine/worker/test_lora.py tests/kernels/test_lora_kernel.py \
         --engine-device cuda -p no:cacheprovider --timeout 300
     step lora_bench "$python" -m benchmarks.lora_bench --device cuda --dtype float16 --preset gpt2 \
         --batch 256 --repeats 5 --result-file "$out/lora_bench_gpt2.json"

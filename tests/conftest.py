@@ -1,7 +1,6 @@
 """Shared fixtures: tiny GPT-2 checkpoints (real byte-level BPE tokenizer) and the HF oracle."""
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -12,12 +11,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tests.checkpoints import TinySpec, make_checkpoint  # noqa: E402
-
-# The slow tiers (`make test-fast` leaves them out): live servers, benchmark smoke runs,
-# ahead-of-time compilation and the wheel install, by path relative to tests/. The app
-# driven in-process (server/inprocess/, no socket) is in the fast tier.
-SLOW_PATHS = ("server/", "benchmarks/", "packaging/", "kernels/test_aot_compile.py")
-FAST_PATHS = ("server/inprocess/",)
 
 
 def pytest_addoption(parser):
@@ -54,11 +47,6 @@ def _engine_device(pytestconfig):
 
 
 def pytest_collection_modifyitems(config, items):
-    tests_dir = Path(__file__).parent
-    for item in items:
-        path = item.path.relative_to(tests_dir).as_posix()
-        if path.startswith(SLOW_PATHS) and not path.startswith(FAST_PATHS):
-            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -11,6 +11,8 @@ import pytest
 from benchmarks import common, cpu_peers
 from benchmarks.peer_systems import OCTAVO_SETTINGS
 
+pytestmark = pytest.mark.slow
+
 # load_test.py's latency statistics, in the order they grow.
 ORDERED_STATS = ("median_ms", "p90_ms", "p99_ms")
 

@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks.stacks import DEFAULT_PHASES, per_step_ms, under_root
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

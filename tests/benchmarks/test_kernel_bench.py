@@ -12,6 +12,8 @@ import torch
 from benchmarks import kernel_bench
 from octavo.kernels.paged_attention import choose_num_splits, num_sms
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

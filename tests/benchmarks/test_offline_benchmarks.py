@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 # A tiny model, and a KV cache to match: each engine zeroes its whole cache when it starts.
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--vocab", "512",

@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks import common, profile_decode
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 # The engine phases of one step that do not run inside one another.
 DISJOINT_PHASES = ("schedule", "execute.host_inputs", "execute.forward", "execute.sample",

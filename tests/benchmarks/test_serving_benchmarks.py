@@ -14,6 +14,8 @@ import pytest
 
 from benchmarks import serving_throughput
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "1"]
 MODES = ["streamed", "inprocess", "unstreamed", "interval8"]  # serving_throughput.py's

@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks import soak
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 IDLE = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
 CLIENTS = 4

@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks import step_latency
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

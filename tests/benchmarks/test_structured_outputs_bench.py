@@ -12,6 +12,8 @@ import pytest
 from benchmarks import structured_outputs
 from octavo.server.server_args import DEFAULT_MODEL
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 # What --smoke sets.
 SMOKE = {"num_requests": 4, "output_len": 4, "repeats": 1, "ttft_repeats": 2}

@@ -129,8 +129,8 @@ def test_finished_requests_leave_nothing_behind(tiny_model_dir, monkeypatch):
     # traceback, whose frames hold the request: the failures are not logged here.
     monkeypatch.setattr(logging.getLogger(output_processor.__name__), "disabled", True)
     # 128 blocks of 4 tokens: a round's requests do not fit at once, so many are preempted.
-    # float32: in bfloat16 a row bucket's first product compiles a kernel that stays cached
-    # (a bounded first use, tests/model/test_linear.py), which a round may meet first.
+    # float32: in bfloat16 a row bucket's first product compiles a kernel that stays cached (a
+    # bounded first use, tests/engine/worker/models/test_linear.py), which a round may meet first.
     engine = LLMEngine(
         EngineConfig(
             model=tiny_model_dir,

@@ -16,6 +16,8 @@ import pytest
 from octavo.kernels.paged_attention import MIN_DOT_DIM
 from tools.aot import NARROW_HEAD_DIM
 
+pytestmark = pytest.mark.slow
+
 ARCHS = (80, 90)
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,8 +21,8 @@ from octavo.engine.worker.models.quantization import (
 )
 from octavo.kernels import cpu_ops
 from octavo.kernels.paged_attention import paged_attention_ref
+from tests.engine.worker.models.test_config_variants import torch_backend_attention
 from tests.kernels.paged_setup import make_batch
-from tests.model.test_config_variants import torch_backend_attention
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="no C++ compiler here")
 

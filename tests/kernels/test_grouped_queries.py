@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from octavo.kernels.paged_attention import DecodeConfig, paged_attention, paged_attention_ref
+from tests.engine.worker.models.test_config_variants import torch_backend_attention
 from tests.kernels.paged_setup import PagedBatch, make_batch
-from tests.model.test_config_variants import torch_backend_attention
 
 NUM_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 16, 4
 TOLERANCE = 1e-5

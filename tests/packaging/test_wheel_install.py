@@ -15,6 +15,8 @@ import pytest
 
 from tests.server.conftest import free_port
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = 120

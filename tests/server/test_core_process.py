@@ -11,10 +11,13 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from octavo.engine.config import EngineConfig
 from octavo.engine.frontend.core_client import MultiprocessCoreClient
 from tests.server.conftest import MODEL_NAME, core_pid, live_server
+
+pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 4
 EXIT_TIMEOUT_S = 15

@@ -4,6 +4,7 @@ import json
 import math
 
 import httpx
+import pytest
 import tokenizers
 import torch
 from safetensors import safe_open
@@ -69,6 +70,7 @@ def test_default_model_greedy_equals_transformers():
         )
 
 
+@pytest.mark.slow
 def test_serve_without_model_serves_the_default(tmp_path):
     with live_server(None, tmp_path) as server:
         models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()

@@ -7,6 +7,7 @@ import json
 import threading
 
 import httpx
+import pytest
 import uvicorn
 
 from octavo.engine import EngineConfig
@@ -15,6 +16,8 @@ from octavo.server.app import create_app
 from octavo.server.graceful_server import GracefulServer
 from octavo.server.serving_engine import ServerConfig
 from tests.server.conftest import free_port
+
+pytestmark = pytest.mark.slow
 
 SERVE_TIMEOUT_S = 60
 FAULT = "injected step fault"

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.server.test_load_and_disconnect import wait_for_idle
+
+pytestmark = pytest.mark.slow
 
 
 def test_schemathesis_finds_nothing(server, tmp_path):

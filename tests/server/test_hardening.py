@@ -16,6 +16,8 @@ from tests.server.conftest import MODEL_NAME, live_server
 from tests.server.openai_errors import assert_error
 from tests.server.test_load_and_disconnect import wait_for_idle
 
+pytestmark = pytest.mark.slow
+
 GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
 
 

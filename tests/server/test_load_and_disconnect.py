@@ -8,8 +8,11 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from tests.server.conftest import MODEL_NAME, live_server
+
+pytestmark = pytest.mark.slow
 
 LONG = {
     "model": MODEL_NAME,

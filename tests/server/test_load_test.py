@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.server.conftest import live_server
+
+pytestmark = pytest.mark.slow
 
 
 def bench(base_url: str, tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:

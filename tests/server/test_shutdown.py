@@ -24,6 +24,8 @@ from tests.server.conftest import (
     live_server,
 )
 
+pytestmark = pytest.mark.slow
+
 # Streams of 250 tokens, one sequence at a time: more than the 0.2 s grace period drains
 # at the tiny model's speed (a fraction of a millisecond a step), so some are aborted.
 NUM_STREAMS = 8
@@ -147,7 +149,6 @@ def stream_body(max_tokens: int, **extra) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(STOP_TEST_TIMEOUT_S)
 @pytest.mark.parametrize("to_group", [True, False], ids=["process-group", "main-process"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -196,7 +197,6 @@ def test_a_stop_signal_drains_in_flight_streams_and_exits_0(signum, to_group, tm
     assert finished == dict.fromkeys(range(LONG_CHOICES), "abort")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(STOP_TEST_TIMEOUT_S)
 def test_a_second_ctrl_c_ends_the_grace_at_once(tmp_path):
     """Ctrl-C twice in the terminal: the second one aborts what the first one's grace would

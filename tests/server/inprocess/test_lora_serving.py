@@ -13,7 +13,7 @@ from octavo.engine.worker.models.model_files import load_model_config
 from octavo.server.lora_modules import LoRAModules
 from tests.checkpoints import sample_prompts
 from tests.engine.helpers import hf_greedy
-from tests.engine.test_lora import ADAPTERS, make_adapter
+from tests.engine.worker.test_lora import ADAPTERS, make_adapter
 from tests.server.conftest import MODEL_NAME
 from tests.server.inprocess.conftest import InProcessServer
 from tests.server.test_load_and_disconnect import wait_for_idle

@@ -24,6 +24,8 @@ from octavo.server.ray_serve.messages import REPLICA_HEADER, ReplicaStats
 from octavo.server.server_args import ServerArgs
 from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, core_pid, free_port
 
+pytestmark = pytest.mark.slow
+
 NUM_REPLICAS = 2
 NUM_BLOCKS = 4096  # of 8 tokens: room for the 64 x 256 tokens of the disconnect test
 # Logical CPUs for the local Ray instance: two replicas and the ingress reserve 2.5; the

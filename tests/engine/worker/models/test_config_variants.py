@@ -29,8 +29,8 @@ from octavo.kernels.paged_attention import paged_attention, paged_attention_ref
 from tests.checkpoints import TinySpec, make_checkpoint, sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
 from tests.engine.test_beam_search import hf_beam_search
+from tests.engine.worker.models.test_gpt2_parity import paged_logits
 from tests.kernels.paged_setup import PagedBatch, make_batch
-from tests.model.test_gpt2_parity import paged_logits
 
 SPEC = TinySpec(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=128, seed=4)
 ATTENTION_VARIANTS = {

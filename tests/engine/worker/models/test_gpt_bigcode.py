@@ -20,8 +20,8 @@ from octavo.engine.worker.models.model_files import DUMMY_PRESETS
 from octavo.engine.worker.models.weights import load_model
 from tests.checkpoints import TinySpec, make_gpt_bigcode_checkpoint, sample_prompts
 from tests.engine.helpers import hf_greedy, run_to_completion
-from tests.model.test_config_variants import assert_beam_search_equals_transformers
-from tests.model.test_gpt2_parity import paged_logits
+from tests.engine.worker.models.test_config_variants import assert_beam_search_equals_transformers
+from tests.engine.worker.models.test_gpt2_parity import paged_logits
 
 # Four query heads: with multi_query they share one K/V head.
 SPEC = TinySpec(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128, seed=5)

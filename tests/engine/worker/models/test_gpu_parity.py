@@ -9,7 +9,7 @@ from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2MLP
 from octavo.engine.worker.models.weights import load_model
 from tests.checkpoints import make_checkpoint
-from tests.model.test_gpt2_parity import SPECS, paged_logits
+from tests.engine.worker.models.test_gpt2_parity import SPECS, paged_logits
 
 pytestmark = pytest.mark.gpu
 
