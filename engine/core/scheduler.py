@@ -42,13 +42,22 @@ class ScheduledStep:
     preempted: list[SequenceGroup]
 
 
+# A scheduled sequence's fields in ScheduledSequence's order, a decode's without the trailing
+# defaults: both ways a sequence is scheduled write them, and `schedule` makes every
+# ScheduledSequence of the step from them in one place.
+ScheduledFields = (
+    tuple[int, int, int, list[int], tuple[int, ...]]
+    | tuple[int, int, int, list[int], tuple[int, ...], int, PromptLogprobsSpan | None, int]
+)
+
+
 class _StepBuilder:
     """The sequences of the step being scheduled, decodes apart from the rest (one query
     token first in the batch), each with its core entry."""
 
     def __init__(self) -> None:
-        self.decodes: list[ScheduledSequence] = []
-        self.prefills: list[ScheduledSequence] = []
+        self.decodes: list[ScheduledFields] = []
+        self.prefills: list[ScheduledFields] = []
         self.decode_entries: list[CoreEntry] = []
         self.prefill_entries: list[CoreEntry] = []
         self.num_draft_tokens = 0
@@ -169,8 +178,36 @@ class Scheduler:
         step = _StepBuilder()
         preempted: list[SequenceGroup] = []
         index = 0
+        # Most running groups are one sample's decode: a sequence with a cached row (sampled
+        # from itself), one token to compute and a slot for it. That case is the rule
+        # (`_schedule_group`) with its answers read off the cache, without building a plan.
+        sample_rows, allocate_slots = self._sample_rows, self.block_manager.allocate_slots
+        decodes, decode_entries = step.decodes, step.decode_entries
         while index < len(self.running) and budget > 0:
             group = self.running[index]
+            seqs = group.seqs
+            if len(seqs) == 1:
+                seq = seqs[0]
+                cached = sample_rows.get(seq.seq_id)
+                start = seq.num_computed_tokens
+                known = len(seq.token_ids) + seq.num_pending_tokens
+                if (
+                    cached is not None
+                    and known - start == 1
+                    and known < group.max_num_tokens
+                    and not seq.spec_token_ids
+                    and allocate_slots(seq, 1)
+                ):
+                    seq.num_computed_tokens = start + 1
+                    seq.num_pending_tokens += 1
+                    sample_seq_ids, entry = cached
+                    decodes.append(
+                        (seq.seq_id, start, 1, seq.token_ids[start : start + 1], sample_seq_ids)
+                    )
+                    decode_entries.append(entry)
+                    budget -= 1
+                    index += 1
+                    continue
             scheduled = self._schedule_group(group, budget, step)
             if scheduled is None:
                 scheduled = self._preempt_for(group, budget, step, preempted)
@@ -224,7 +261,7 @@ class Scheduler:
         bm, beams = self.block_manager, self.beam_search
         changed, freed = bm.take_changes()
         output = SchedulerOutput(
-            scheduled=step.decodes + step.prefills,
+            scheduled=[ScheduledSequence(*fields) for fields in step.decodes + step.prefills],
             blocks_to_copy=bm.take_copies(),
             block_tables={seq_id: list(bm.block_tables[seq_id]) for seq_id in changed},
             lora_int_ids=self._lora_int_ids(changed) if changed and self._saw_adapters else {},
@@ -324,35 +361,7 @@ class Scheduler:
         What a scheduled sequence's last position feeds: nothing (a chunk short of its end),
         beam search (`beam_top_k`), or sampling, from the sequence itself (its cached row,
         `_sample_row`) or, for an n > 1 prompt, from it and the samples forked off it here.
-        Each sequence sampled from gets a pending token.
-
-        Most calls are one sample's decode: a sequence with a cached row (sampled from
-        itself), one token to compute and a slot for it. That case is the same rule with
-        its answers read off the cache, without building a plan."""
-        seqs = group.seqs
-        if len(seqs) == 1:
-            seq = seqs[0]
-            cached = self._sample_rows.get(seq.seq_id)
-            start = seq.num_computed_tokens
-            known = len(seq.token_ids) + seq.num_pending_tokens
-            if (
-                cached is not None
-                and known - start == 1
-                and known < group.max_num_tokens
-                and not seq.spec_token_ids
-            ):
-                if not self.block_manager.allocate_slots(seq, 1):
-                    return None
-                seq.num_computed_tokens = start + 1
-                seq.num_pending_tokens += 1
-                sample_seq_ids, entry = cached
-                step.decodes.append(
-                    ScheduledSequence(
-                        seq.seq_id, start, 1, seq.token_ids[start : start + 1], sample_seq_ids
-                    )
-                )
-                step.decode_entries.append(entry)
-                return 1
+        Each sequence sampled from gets a pending token."""
         beam = group.beam
         if beam is not None and group.num_unfinished_seqs > 1:
             plan = BeamSearch.plan(group, budget)
@@ -423,7 +432,7 @@ class Scheduler:
                 if group.wants_prompt_logprobs
                 else None
             )
-            item = ScheduledSequence(
+            item = (
                 seq.seq_id, start, num_new, input_token_ids, sample_ids, beam_top_k, span,
                 num_drafts,
             )  # fmt: skip
