@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM's --scheduling-policy, and fair (engine/core/request_queue.py says what each does).
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 # vLLM's flag and name; quantization.py says what int8 does.
 QUANTIZATIONS = ("int8",)
 # The default prefill_interval where decode steps replay CUDA graphs: the interval measured
@@ -91,6 +93,25 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest sequence (default: the model's n_positions)"}
     )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={"help": "whom to admit and preempt next: fcfs (arrival order); priority "
+                  "(vLLM's: a request's priority, lower first, ties by arrival; a less "
+                  "urgent running request is preempted to admit a more urgent one); fair (an "
+                  "equal share of tokens per user, the API key or the request's user: the "
+                  "least served user's request next, and a user below its share of the "
+                  "sequence seats takes one from the most served user above it)",
+                  "choices": SCHEDULING_POLICIES},
+    )  # fmt: skip
+    fair_prompt_token_weight: float = field(
+        default=1.0, metadata={"help": "fair policy: the service a prompt token counts for"}
+    )
+    fair_output_token_weight: float = field(
+        default=2.0,
+        metadata={"help": "fair policy: the service a generated token counts for (the "
+                  "virtual token counter's default: a decode costs more than a prefill "
+                  "token)"},
+    )  # fmt: skip
     prefill_interval: int | None = field(
         default=None,
         metadata={"help": "while sequences decode, admit waiting requests (start their "
@@ -199,6 +220,16 @@ class EngineConfig:
             raise ValueError(f"prefill_interval must be >= 1, got {self.prefill_interval}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.fair_prompt_token_weight < 0 or self.fair_output_token_weight <= 0:
+            raise ValueError(
+                "fair_prompt_token_weight must be >= 0 and fair_output_token_weight > 0, got "
+                f"{self.fair_prompt_token_weight} and {self.fair_output_token_weight}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.load_format not in _LOAD_FORMATS:

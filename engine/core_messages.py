@@ -31,6 +31,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_request: LoRARequest | None = None
     grammar: str | None = None
     bad_words_token_ids: list[list[int]] = []
+    # What the scheduling policy orders it by: priority (lower first) and user (fair).
+    priority: int = 0
+    user: str = ""
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:
@@ -162,6 +165,7 @@ class ModelLimits(msgspec.Struct, array_like=True, frozen=True):
     max_num_seqs: int
     block_size: int
     num_usable_blocks: int
+    scheduling_policy: str = "fcfs"  # a request's priority is refused under any other
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True, tag=True):

@@ -72,6 +72,9 @@ class EngineCore:
                 config.max_num_batched_tokens,
                 config.effective_prefill_interval,
                 config.max_loras,
+                config.scheduling_policy,
+                config.fair_prompt_token_weight,
+                config.fair_output_token_weight,
             ),
             self.block_manager,
             StopChecker(self.eos_token_ids),
@@ -83,6 +86,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             block_size=config.block_size,
             num_usable_blocks=self.block_manager.num_usable_blocks,
+            scheduling_policy=config.scheduling_policy,
         )
         self._groups: dict[str, SequenceGroup] = {}
         self._num_requests_added = 0
@@ -123,6 +127,8 @@ class EngineCore:
                 spec.num_speculative_tokens if spec and can_speculate(params) else 0
             ),
             lora_int_id=self._add_lora(request.lora_request),
+            priority=request.priority,
+            user=request.user,
             grammar=request.grammar,
             bad_words_token_ids=request.bad_words_token_ids,
         )

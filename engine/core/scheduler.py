@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.block_manager import BlockManager
+from octavo.engine.core.request_queue import RequestQueue, create_request_queue
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.step_updater import SchedulerUpdate, StepUpdater
 from octavo.engine.core.stop_checker import StopChecker
@@ -72,6 +73,10 @@ class SchedulerConfig:
     prefill_interval: int = 1
     # Distinct LoRA adapters among the running requests (the model's adapter slots).
     max_loras: int = 1
+    # Whom to admit and preempt next (request_queue.py), and the fair policy's weights.
+    scheduling_policy: str = "fcfs"
+    fair_prompt_token_weight: float = 1.0
+    fair_output_token_weight: float = 2.0
 
 
 class Scheduler:
@@ -79,11 +84,14 @@ class Scheduler:
 
     Every step: running groups, in admission order, get the tokens they still need, by one rule
     for prompts and decodes (`_schedule_group`), under `max_num_batched_tokens`; when
-    the BlockManager cannot hold them, the most recently admitted group is preempted (its
-    blocks freed, its tokens kept, recomputed later from the front of the waiting queue).
-    Then waiting groups are admitted, in arrival order, while budget, `max_num_seqs` and free
+    the BlockManager cannot hold them, a group not yet scheduled is preempted (its blocks
+    freed, its tokens kept, recomputed later from the waiting queue; which group, the
+    policy's `RequestQueue` says: under fcfs the most recently admitted). Then waiting groups
+    are admitted, in the policy's order (fcfs: arrival), while budget, `max_num_seqs` and free
     blocks allow; a prompt longer than the remaining budget is prefilled in chunks. While
-    groups run, admissions happen at most every `prefill_interval` steps.
+    groups run, admissions happen at most every `prefill_interval` steps. A policy that
+    preempts to admit (priority, fair) does so at the start of a step that admits, before
+    the running groups are scheduled.
 
     A row that samples makes a token pending (`Sequence.num_pending_tokens`) until `update`
     receives it. `schedule` may run before the previous step's `update` (async scheduling):
@@ -98,7 +106,11 @@ class Scheduler:
     ):
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[SequenceGroup] = deque()
+        self.waiting: RequestQueue = create_request_queue(
+            config.scheduling_policy,
+            config.fair_prompt_token_weight,
+            config.fair_output_token_weight,
+        )
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompts admitted (each counted once)
@@ -124,7 +136,7 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def add(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        self.waiting.add(group, self.running)
         self._saw_adapters = self._saw_adapters or bool(group.lora_int_id)
 
     def abort(self, group: SequenceGroup) -> None:
@@ -177,6 +189,10 @@ class Scheduler:
         self._num_prompt_logprobs_spans = 0
         step = _StepBuilder()
         preempted: list[SequenceGroup] = []
+        # A policy that preempts to admit does so before the running requests are scheduled.
+        victims: list[SequenceGroup] = []
+        if self.waiting and self.waiting.preempts_to_admit and self._admits():
+            victims = self._preempt_to_admit(budget)
         index = 0
         # Most running groups are one sample's decode: a sequence with a cached row (sampled
         # from itself), one token to compute and a slot for it. That case is the rule
@@ -210,14 +226,14 @@ class Scheduler:
                     continue
             scheduled = self._schedule_group(group, budget, step)
             if scheduled is None:
-                scheduled = self._preempt_for(group, budget, step, preempted)
+                scheduled = self._preempt_for(index, budget, step, preempted)
                 if scheduled is None:
                     break
             budget -= scheduled
             index += 1
 
+        admits = self._admits()
         self._steps_since_admission += 1
-        admits = not self.running or self._steps_since_admission >= self.config.prefill_interval
         num_seqs = self.num_running_seqs if self.waiting and admits else 0
         max_num_seqs = self.config.max_num_seqs
         # LoRA: the running requests' adapters, and the requests passed over this step
@@ -225,12 +241,14 @@ class Scheduler:
         adapters = self._running_adapters() if self._saw_adapters and admits else set()
         passed_over: list[SequenceGroup] = []
         while admits and self.waiting and budget > 0 and not preempted:
-            group = self.waiting[0]
+            group = self.waiting.peek()
+            if victims and any(group is victim for victim in victims):
+                break  # preempted this step to admit another: not taken back at once
             seqs = group.unfinished_seqs
             lora_int_id = group.lora_int_id
             no_slot = len(adapters) >= self.config.max_loras
             if lora_int_id and lora_int_id not in adapters and no_slot:
-                passed_over.append(self.waiting.popleft())
+                passed_over.append(self.waiting.pop())
                 continue
             if num_seqs + max(len(seqs), group.num_sequences) > max_num_seqs:
                 break
@@ -244,19 +262,21 @@ class Scheduler:
                 break
             budget -= scheduled
             self._count_prefix_lookup(group, seqs, num_cached)
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(group)
             self._num_running_seqs = None
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += len(group.prompt_token_ids)
+                self.waiting.charge(group, len(group.prompt_token_ids))
             for seq in group.unfinished_seqs:  # the samples forked off its prompt too
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
             self._steps_since_admission = 0
             if lora_int_id:
                 adapters.add(lora_int_id)
-        self.waiting.extendleft(reversed(passed_over))
+        for group in reversed(passed_over):
+            self.waiting.prepend(group)
 
         bm, beams = self.block_manager, self.beam_search
         changed, freed = bm.take_changes()
@@ -275,7 +295,40 @@ class Scheduler:
         )
         self._new_sampled, self._finished_seq_ids = [], []
         beams.new_constrained_beams, beams.beam_choices = {}, []
-        return ScheduledStep(output, step.decode_entries + step.prefill_entries, preempted)
+        entries = step.decode_entries + step.prefill_entries
+        self.waiting.charge_step(step.decodes + step.prefills, entries)
+        return ScheduledStep(output, entries, victims + preempted)
+
+    def _admits(self) -> bool:
+        """Whether the step being scheduled admits waiting requests: at once when nothing
+        runs, else every prefill_interval steps."""
+        since = self._steps_since_admission + 1  # this step counted
+        return not self.running or since >= self.config.prefill_interval
+
+    def _preempt_to_admit(self, budget: int) -> list[SequenceGroup]:
+        """While the request the policy admits next (`waiting.peek()`) would find no seat
+        or no blocks for its first chunk, preempts the running request the policy names for
+        it (`RequestQueue.admission_victim`); returns those preempted."""
+        candidate = self.waiting.peek()
+        seqs = candidate.unfinished_seqs
+        num_seats = max(len(seqs), candidate.num_sequences)
+        num_blocks = len(seqs) * self.block_manager.num_blocks_for_tokens(
+            min(len(seqs[0].token_ids), budget)
+        )
+        victims: list[SequenceGroup] = []
+        while (
+            self.num_running_seqs + num_seats > self.config.max_num_seqs
+            or num_blocks > self.block_manager.num_free_blocks
+        ):
+            victim = self.waiting.admission_victim(
+                candidate, self.running, self.config.max_num_seqs
+            )
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt(victim)
+            victims.append(victim)
+        return victims
 
     def requests_per_adapter(self, groups: Iterable[SequenceGroup]) -> dict[int, int]:
         """How many of `groups` run with each LoRA adapter (empty until one ever came)."""
@@ -458,12 +511,16 @@ class Scheduler:
         return True
 
     def _preempt_for(
-        self, group: SequenceGroup, budget: int, step: _StepBuilder, preempted: list[SequenceGroup]
+        self, index: int, budget: int, step: _StepBuilder, preempted: list[SequenceGroup]
     ) -> int | None:
-        """Preempts running groups, the most recently admitted first, until the running
-        `group` is scheduled; returns its tokens, or None when `group` itself had to go."""
+        """Preempts running groups not yet scheduled this step (`running[index:]`), the one
+        the policy names first (`RequestQueue.preemption_victim`: under fcfs the most
+        recently admitted), until `running[index]` is scheduled; returns its tokens, or None
+        when it had to go itself."""
+        group = self.running[index]
         while True:
-            victim = self.running.pop()
+            victim = self.waiting.preemption_victim(self.running[index:])
+            self.running.remove(victim)
             self._preempt(victim)
             preempted.append(victim)
             if victim is group:
@@ -507,7 +564,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(group)
+        self.waiting.prepend(group)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -530,7 +587,7 @@ class Scheduler:
         # waiting. Looking among the finished, not the waiting, keeps a step's cost
         # independent of how many requests wait.
         if any(id(g) not in was_running for g in finished):
-            self.waiting = deque(g for g in self.waiting if not g.is_finished)
+            self.waiting.remove_finished()
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Has the worker drop these sequences' state with the next step (beams a search

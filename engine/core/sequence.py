@@ -147,6 +147,10 @@ class SequenceGroup:
     num_speculative_tokens: int = 0
     # The LoRA adapter its sequences run with (0: the base model).
     lora_int_id: int = 0
+    # What the scheduling policy orders it by (request_queue.py): the priority policy's
+    # priority (lower first), the fair policy's user.
+    priority: int = 0
+    user: str = ""
     # The params' num_sequences (n, best_of or beam_width), as an attribute: the scheduler
     # reads it for every running request of every step.
     num_sequences: int = field(init=False)

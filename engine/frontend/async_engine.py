@@ -242,8 +242,11 @@ class AsyncEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        user: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        """Queues a validated request and returns its output stream (call on the loop).
+        """Queues a validated request and returns its output stream (call on the loop);
+        `priority` and `user`: what the scheduling policy orders it by.
 
         Raises EngineStoppedError when shutting down, QueueFullError when max_num_waiting
         requests are waiting, ValueError for a request id in use. The stream yields outputs
@@ -256,13 +259,13 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_waiting >= self.max_num_waiting:
             raise QueueFullError(f"{self.max_num_waiting} requests are already waiting")
+        request = self.input_processor.core_request(
+            request_id, prompt, params, arrival_time, lora_request, priority, user
+        )
         stream = _OutputStream(self.output_processor.build)
         self._streams[request_id] = stream
         self.output_processor.add_request(
             request_id, prompt.text, prompt.token_ids, params, arrival_time
-        )
-        request = self.input_processor.core_request(
-            request_id, prompt, params, arrival_time, lora_request
         )
         self._pending.requests.append(request)
         self._num_requests_sent += 1

@@ -8,7 +8,13 @@ from octavo.engine.core_messages import EngineCoreRequest, ModelLimits
 from octavo.engine.errors import ParameterError
 from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.lora_request import LoRARequest
-from octavo.engine.sampling_params import BeamSearchParams, GenerationParams, SamplingParams
+from octavo.engine.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    BeamSearchParams,
+    GenerationParams,
+    SamplingParams,
+)
 from octavo.engine.stop_rules import length_limit, stop_token_set
 from octavo.engine.structured_outputs import compile_grammar
 
@@ -77,9 +83,22 @@ class InputProcessor:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        user: str = "",
     ) -> EngineCoreRequest:
         """The request the core takes: with its stop tokens computed, once, here, and what
-        process_inputs derived from its parameters."""
+        process_inputs derived from its parameters. ParameterError: a priority other than 0
+        without the priority policy (vLLM's rule), or one out of range."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ParameterError("priority", f"priority must be an integer, got {priority!r}")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise ParameterError("priority", f"priority must fit in 64 bits, got {priority}")
+        if priority and self.limits.scheduling_policy != "priority":
+            raise ParameterError(
+                "priority",
+                f"priority {priority} needs --scheduling-policy priority (this engine "
+                f"schedules by {self.limits.scheduling_policy})",
+            )
         return EngineCoreRequest(
             request_id,
             prompt.token_ids,
@@ -90,6 +109,8 @@ class InputProcessor:
             lora_request=lora_request,
             grammar=prompt.grammar,
             bad_words_token_ids=prompt.bad_words_token_ids,
+            priority=priority,
+            user=user,
         )
 
     def _stop_token_ids(self, params: GenerationParams) -> list[int]:

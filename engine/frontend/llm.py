@@ -47,10 +47,12 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        priority: SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in prompt order.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the
-        base model); needs enable_lora."""
+        base model); needs enable_lora. `priority`: one per prompt (vLLM's; lower is
+        served first), with scheduling_policy "priority"."""
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -71,8 +73,10 @@ class LLM:
                 raise ValueError(
                     f"lora_request has {len(loras)} entries for {len(prompts)} prompts"
                 )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         request_ids = [str(next(self._request_ids)) for _ in prompts]
-        self._add_all(request_ids, prompts, final_only, loras)
+        self._add_all(request_ids, prompts, final_only, loras, priority)
         return self._run(request_ids, use_tqdm)
 
     def beam_search(
@@ -102,15 +106,19 @@ class LLM:
         prompts: list[PromptType],
         params_list,
         loras: list[LoRARequest | None] | None = None,
+        priorities: SequenceABC[int] | None = None,
     ) -> None:
         """Adds every request, or none: a bad one aborts those already added and raises."""
         added: list[str] = []
         loras = loras or [None] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
         try:
-            for request_id, prompt, params, lora in zip(
-                request_ids, prompts, params_list, loras, strict=True
+            for request_id, prompt, params, lora, priority in zip(
+                request_ids, prompts, params_list, loras, priorities, strict=True
             ):
-                self.engine.add_request(request_id, prompt, params, lora_request=lora)
+                self.engine.add_request(
+                    request_id, prompt, params, lora_request=lora, priority=priority
+                )
                 added.append(request_id)
         except ValueError:
             for request_id in added:

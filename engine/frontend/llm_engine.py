@@ -79,16 +79,19 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        user: str = "",
     ) -> None:
-        """Validates and queues a request (with `lora_request`, under that LoRA adapter);
-        raises ValueError naming the offending parameter."""
+        """Validates and queues a request (with `lora_request`, under that LoRA adapter;
+        `priority` and `user`: what the scheduling policy orders it by); raises ValueError
+        naming the offending parameter."""
         if self.output_processor.has_request(request_id):
             raise ParameterError("request_id", f"request_id {request_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.process_inputs(prompt, params)
         arrival_time = arrival_time or time.monotonic()
         request = self.input_processor.core_request(
-            request_id, prompt, params, arrival_time, lora_request
+            request_id, prompt, params, arrival_time, lora_request, priority, user
         )
         self.core.add_request(request)
         self.output_processor.add_request(

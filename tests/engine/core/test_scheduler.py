@@ -145,7 +145,7 @@ def test_preemption_frees_the_newest_group_and_recomputes_it_later():
     assert [g.request_id for g in out.preempted] == ["b"]
     assert plan(out) == [("a", 1)]
     assert b.seqs[0].status is SequenceStatus.WAITING and b.seqs[0].num_computed_tokens == 0
-    assert scheduler.waiting[0] is b and scheduler.num_preemptions == 1
+    assert scheduler.waiting.peek() is b and scheduler.num_preemptions == 1
     assert bm.get_block_table(a.seqs[0]) == [1, 2, 3, 4]  # b's freed blocks, lowest first
     # b keeps its generated tokens and is recomputed once a has finished.
     b_tokens = list(b.seqs[0].token_ids)
