@@ -46,6 +46,12 @@ def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    config = args.engine
+    logger.info(
+        "serving %s: max_num_seqs %d, max_num_batched_tokens %d, scheduling policy %s",
+        config.model, config.max_num_seqs, config.max_num_batched_tokens,
+        config.scheduling_policy,
+    )  # fmt: skip
     if args.ray:
         from octavo.server.ray_serve.launch import serve_on_ray
 

@@ -41,7 +41,7 @@ MAX_BAD_WORDS = 64
 # one gets a 400 naming it rather than an answer that silently ignored it.
 UNSUPPORTED_VLLM_FIELDS = (
     "guided_decoding_backend", "logits_processors", "spaces_between_special_tokens",
-    "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds", "priority",
+    "add_special_tokens", "return_tokens_as_token_ids", "prompt_embeds",
     "kv_transfer_params", "vllm_xargs",
 )  # fmt: skip
 # The fields that constrain the output (OpenAI's and vLLM's spellings); at most one per request.
@@ -68,6 +68,8 @@ NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX), _INTEGRAL]
 LogprobsCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _INTEGRAL]
+# vLLM's request priority: lower is served first (--scheduling-policy priority).
+Priority = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _INTEGRAL]
 TokenId = NonNegativeInt
 
 
@@ -198,6 +200,7 @@ class GenerationRequest(BaseModel, ABC):
     truncate_prompt_tokens: PositiveInt | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    priority: Priority = 0
     early_stopping: bool | Literal["never"] = False
     # Structured outputs (CONSTRAINT_FIELDS): OpenAI's response_format, vLLM's guided_* and
     # structured_outputs.

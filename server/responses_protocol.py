@@ -39,6 +39,7 @@ from pydantic_core import PydanticCustomError
 from octavo.server.chat_protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest
 from octavo.server.protocol import (
     PositiveInt,
+    Priority,
     Seed,
     StructuredOutputsRequest,
     TopK,
@@ -61,8 +62,8 @@ UNSUPPORTED_RESPONSES_FIELDS = (
     # vLLM's carriers of a previous turn (its harmony messages and response).
     "previous_response", "previous_input_messages", "enable_response_messages",
     # Not served on this route: reasoning models' settings, output logprobs (`include`
-    # names them), vLLM's scheduling and extension fields.
-    "reasoning", "include", "top_logprobs", "priority", "vllm_xargs",
+    # names them), vLLM's extension fields.
+    "reasoning", "include", "top_logprobs", "vllm_xargs",
 )  # fmt: skip
 # The chat request's fields under the names a Responses client sent them by.
 RESPONSES_PARAMS = {
@@ -296,6 +297,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None
     user: str | None = None
     # vLLM's sampling extras, as the chat request takes them.
+    priority: Priority | None = None
     seed: Seed | None = None
     top_k: TopK | None = None
     stop: str | list[str] | None = None
@@ -401,6 +403,7 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self._response_format(),
             "user": self.user,
+            "priority": self.priority,
             "seed": self.seed,
             "top_k": self.top_k,
             "stop": self.stop,

@@ -62,6 +62,12 @@ class RouteRequest(Protocol):
     @property
     def stream(self) -> bool | None: ...
 
+    @property
+    def priority(self) -> int | None: ...
+
+    @property
+    def user(self) -> str | None: ...
+
 
 RequestT = TypeVar("RequestT", bound=RouteRequest)
 
@@ -128,7 +134,7 @@ class EngineServing(ABC, Generic[RequestT]):
         gets its requests aborted, as a stream's would be."""
         prompts = await self.preprocess(request)
         generation = Generation(request, self.request_id(), int(time.time()), prompts)
-        outputs = self.merge(self.submit(generation.request_id, prompts, request.model))
+        outputs = self.merge(self.submit(generation.request_id, prompts, request))
         if request.stream:
             return EventStreamResponse(self.stream_type(self, generation).events(outputs))
         return await json_unless_disconnected(raw_request, self._respond(generation, outputs))
@@ -312,21 +318,28 @@ class EngineServing(ABC, Generic[RequestT]):
         )
 
     def submit(
-        self, request_id: str, prompts: list[PromptAndParams], model: str
+        self, request_id: str, prompts: list[PromptAndParams], request: RouteRequest
     ) -> list[AsyncIterator]:
         """Queues one engine request per prompt (`{request_id}-{i}`), under the LoRA
-        adapter `model` names (the base's name: the base); their output streams. A full
-        queue or a stopped engine is a 503 and leaves nothing queued."""
+        adapter the request's `model` names (the base's name: the base), with its priority
+        and user (what the scheduling policy orders it by); their output streams. A
+        priority the engine refuses is a 400, a full queue or a stopped engine a 503, and
+        each leaves nothing queued."""
         arrival = time.monotonic()
-        lora_request = self.lora_request(model)
+        lora_request = self.lora_request(request.model)
+        priority, user = request.priority or 0, request.user or ""
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(prompts):
                 streams.append(
                     self.engine.add_request(
-                        f"{request_id}-{i}", prompt, params, arrival, lora_request
+                        f"{request_id}-{i}", prompt, params, arrival, lora_request, priority, user
                     )
                 )
+        except ParameterError as exc:
+            for i in range(len(streams)):
+                self.engine.discard(f"{request_id}-{i}")
+            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
         except (QueueFullError, EngineStoppedError) as exc:
             for i in range(len(streams)):
                 self.engine.discard(f"{request_id}-{i}")
