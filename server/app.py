@@ -67,8 +67,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         await engine.shutdown(config.shutdown_grace_seconds)
 
     def authorize(request: Request) -> None:
-        if config.api_key is not None:
-            check_api_key(request.headers.get("authorization", ""), config.api_key)
+        """The 401 of a request without an accepted key; else the key's user, kept in the
+        request's state (`api_user`) for the generating routes."""
+        if config.api_keys is not None:
+            authorization = request.headers.get("authorization", "")
+            request.state.api_user = check_api_key(authorization, config.api_keys)
 
     async def require_api_key(request: Request) -> None:
         authorize(request)

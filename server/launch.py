@@ -119,7 +119,7 @@ def build_server(
     chat_template = load_chat_template(
         args.chat_template, engine_config.model, engine_config.load_format
     )
-    api_key = _api_key(args.api_key)
+    api_keys = api_keys_of(args.api_key, args.api_key_file)
     tool_call_parser = _tool_call_parser(args, chat_template is not None)
     model = engine_config.model
     name = args.served_model_name or (DEFAULT_MODEL_NAME if _serves_default_model(args) else model)
@@ -139,7 +139,7 @@ def build_server(
     config = ServerConfig(
         served_model_name=name,
         model_root=str(model),
-        api_key=api_key,
+        api_keys=api_keys,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
@@ -243,10 +243,32 @@ def _allowed_hosts(flag: str | None, bind_host: str) -> tuple[str, ...] | None:
     return None
 
 
-def _api_key(flag: str | None) -> str | None:
-    """--api-key, else $OCTAVO_API_KEY, else no auth; an empty key is refused (it would
-    otherwise silently turn authentication off)."""
-    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
+def api_keys_of(flag: tuple[str, ...] | None, key_file: str | None) -> dict[str, str] | None:
+    """Each accepted key and the user it stands for: --api-key's keys (else
+    $OCTAVO_API_KEY's), named key0, key1, ..., and --api-key-file's; None: no auth. An
+    empty key is refused (it would otherwise silently turn authentication off), as are a
+    key or a name given twice."""
+    env = os.environ.get(API_KEY_ENV)
+    keys = flag if flag is not None else (() if env is None else (env,))
+    named = [(f"key{i}", key) for i, key in enumerate(keys)]
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {key_file}: {exc}") from None
+        for number, line in enumerate(lines, 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) > 2:
+                raise ValueError(f"--api-key-file {key_file}:{number}: expected KEY or NAME KEY")
+            name = fields[0] if len(fields) == 2 else f"key{len(named)}"
+            named.append((name, fields[-1]))
+    if not named:
+        return None
+    if any(not key.strip() for _, key in named):
         raise ValueError(f"--api-key / ${API_KEY_ENV} must not be empty")
-    return key
+    users = {key: name for name, key in named}
+    if len(users) < len(named) or len({*users.values()}) < len(named):
+        raise ValueError("--api-key / --api-key-file: a key or a name is given twice")
+    return users

@@ -68,7 +68,16 @@ class ServerArgs:
     host: str = _option("127.0.0.1")
     port: int = _option(8000)
     served_model_name: str | None = _option(None)
-    api_key: str | None = _option(None, f"require this bearer key on /v1 (default: ${API_KEY_ENV})")
+    api_key: tuple[str, ...] | None = _option(
+        None,
+        f"require one of these bearer keys on /v1 (default: ${API_KEY_ENV}); with several, "
+        "each key is a user of --scheduling-policy fair (key0, key1, ... in /metrics)",
+    )
+    api_key_file: str | None = _option(
+        None,
+        "more keys, one a line: KEY, or NAME KEY to name the user it stands for (in /metrics "
+        "and the fair policy); blank lines and lines starting with # are skipped",
+    )
     max_num_waiting: int = _option(1024, "requests allowed to wait for admission; more get 503")
     max_body_bytes: int = _option(4 << 20)
     chat_template: str | None = _option(

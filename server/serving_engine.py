@@ -90,7 +90,9 @@ class ServerConfig:
 
     served_model_name: str
     model_root: str = ""  # the checkpoint served (the model cards' `root`); "" = the name
-    api_key: str | None = None
+    # Each accepted bearer key and the user it stands for (the fair policy's, the per-user
+    # metrics'); None: no auth.
+    api_keys: dict[str, str] | None = None
     max_body_bytes: int = 4 << 20
     shutdown_grace_seconds: float = 10.0
     max_n: int | None = None
@@ -134,7 +136,8 @@ class EngineServing(ABC, Generic[RequestT]):
         gets its requests aborted, as a stream's would be."""
         prompts = await self.preprocess(request)
         generation = Generation(request, self.request_id(), int(time.time()), prompts)
-        outputs = self.merge(self.submit(generation.request_id, prompts, request))
+        user = self.user(request, raw_request)
+        outputs = self.merge(self.submit(generation.request_id, prompts, request, user))
         if request.stream:
             return EventStreamResponse(self.stream_type(self, generation).events(outputs))
         return await json_unless_disconnected(raw_request, self._respond(generation, outputs))
@@ -317,17 +320,24 @@ class EngineServing(ABC, Generic[RequestT]):
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
+    def user(self, request: RouteRequest, raw_request: Request) -> str:
+        """Whom a request is served for (the fair policy's user): its API key's user where
+        the server has keys, else the request's `user` field ("": anonymous)."""
+        if self.config.api_keys is not None:
+            return raw_request.state.api_user
+        return request.user or ""
+
     def submit(
-        self, request_id: str, prompts: list[PromptAndParams], request: RouteRequest
+        self, request_id: str, prompts: list[PromptAndParams], request: RouteRequest, user: str
     ) -> list[AsyncIterator]:
         """Queues one engine request per prompt (`{request_id}-{i}`), under the LoRA
         adapter the request's `model` names (the base's name: the base), with its priority
-        and user (what the scheduling policy orders it by); their output streams. A
+        and `user` (what the scheduling policy orders it by); their output streams. A
         priority the engine refuses is a 400, a full queue or a stopped engine a 503, and
         each leaves nothing queued."""
         arrival = time.monotonic()
         lora_request = self.lora_request(request.model)
-        priority, user = request.priority or 0, request.user or ""
+        priority = request.priority or 0
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(prompts):

@@ -44,7 +44,7 @@ def test_a_command_line_parses_to_the_expected_server_args():
     assert args == ServerArgs(
         engine=engine,
         port=9001,
-        api_key="k",
+        api_key=("k",),
         max_n=3,
         header_timeout_seconds=2.5,
         inprocess_engine=True,

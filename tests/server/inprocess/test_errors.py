@@ -89,7 +89,7 @@ def test_the_openai_client_raises_bad_request(client):
 
 
 def test_api_key_is_required_when_set(tiny_model_dir):
-    secured = InProcessServer(tiny_model_dir, api_key="sekrit")
+    secured = InProcessServer(tiny_model_dir, api_keys={"sekrit": "key0"})
     try:
         http = secured.http
         assert_error(http.post("/v1/completions", json=GOOD), 401)

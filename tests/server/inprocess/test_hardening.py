@@ -149,7 +149,7 @@ def test_too_many_prompts_in_one_request_is_a_400(http):
 @pytest.fixture(scope="module")
 def keyed(tiny_model_dir) -> Iterator[httpx.Client]:
     """An app like the shared one, with --api-key s3cret."""
-    app = InProcessServer(tiny_model_dir, api_key="s3cret")
+    app = InProcessServer(tiny_model_dir, api_keys={"s3cret": "key0"})
     try:
         yield app.http
     finally:

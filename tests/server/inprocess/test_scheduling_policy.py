@@ -88,3 +88,24 @@ def test_the_fair_policy_serves_every_user_and_anonymous_requests(fair_server):
     )
     assert sum(1 for _ in stream) >= 2
     assert_idle(fair_server)
+
+
+def test_with_several_keys_the_fair_policy_serves_each_key_as_its_user(tiny_model_dir):
+    server = InProcessServer(
+        tiny_model_dir, {"scheduling_policy": "fair"}, api_keys={"ka": "alice", "kb": "bob"}
+    )
+    try:
+        body = ROUTES["/v1/completions"] | {"user": "mallory"}  # the key decides, not this
+        for key in ("ka", "kb"):
+            headers = {"Authorization": f"Bearer {key}"}
+            response = server.http.post("/v1/completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+        wrong = server.http.post(
+            "/v1/completions", json=body, headers={"Authorization": "Bearer kc"}
+        )
+        assert_error(wrong, 401)
+        counters = server.engine.client.core.scheduler.waiting.counters
+        assert set(counters) == {"alice", "bob"}
+        assert_idle(server)
+    finally:
+        server.close()
