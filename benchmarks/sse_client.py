@@ -65,7 +65,7 @@ def running_server(
             server.kill()
 
 
-async def _stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, int]:
+async def stream_one(port: int, body: bytes) -> tuple[int, bool, int, float, int]:
     """One completion: (completion tokens from the usage, whether it succeeded (a stream:
     ended with [DONE] and no error; else status 200), the number of events (0 unstreamed),
     seconds to the first event or the response, prompt tokens found in the prefix cache)."""
@@ -112,7 +112,7 @@ def _client_process(
         while time.time() < start_at:
             await asyncio.sleep(0.001)
         began = time.time()
-        return began, await asyncio.gather(*(_stream_one(port, b) for b in bodies))
+        return began, await asyncio.gather(*(stream_one(port, b) for b in bodies))
 
     cpu = time.process_time()
     began, outcomes = asyncio.run(main())

@@ -557,6 +557,26 @@ def cpu_contention(title: str, files: list[Result]) -> list[str]:
     return lines
 
 
+def fairness(title: str, files: list[Result]) -> list[str]:
+    lines = []
+    for result in files:
+        rows = []
+        for name, run in result[1]["runs"].items():
+            chat, flood = run["chat"], run.get("flood")
+            rows.append([
+                "interactive alone" if name == "alone" else f"beside the flood, {name}",
+                f"{num(chat['ttft_median_ms'])} / {num(chat['ttft_p90_ms'])}",
+                times(run.get("chat_ttft_over_alone"), 1) if flood else "",
+                pct(chat.get("share_of_served_tokens")) if flood else "",
+                num(flood["ttft_median_ms"]) if flood else "",
+                num(run.get("total_generated_tokens_per_s") or chat["generated_tokens_per_s"]),
+            ])  # fmt: skip
+        header = ["interactive TTFT ms, median / p90", "over alone", "interactive share of tokens",
+                  "flood TTFT ms, median", "generated tok/s, all"]  # fmt: skip
+        lines += table([caption(title, result), *header], rows)
+    return lines
+
+
 # Each benchmark's table title and maker, in the order the README shows them.
 TABLES: dict[str, tuple[str, Callable[[str, list[Result]], list[str]]]] = {
     "cpu_peers": ("CPU peers", cpu_peers),
@@ -579,6 +599,7 @@ TABLES: dict[str, tuple[str, Callable[[str, list[Result]], list[str]]]] = {
     "startup": ("Startup", startup),
     "soak": ("Memory under a steady load", soak),
     "ray_serve": ("Ray Serve", ray_serve),
+    "fairness": ("Clients sharing a server", fairness),
     "cpu_contention": ("CPU contention", cpu_contention),
 }
 

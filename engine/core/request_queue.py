@@ -9,9 +9,9 @@ preempts to make room (vLLM's RequestQueue and --scheduling-policy).
 - fair: a virtual token counter per user (the virtual token counter of "Fairness in Serving
   Large Language Models", OSDI 2024): each user is charged for the service its requests get
   (prompt tokens when first admitted, one output token per sequence a step samples, each
-  weighted), and the waiting request of the user charged least is admitted next. A user that
-  starts waiting again is lifted to the least charged user with unfinished requests, so time
-  away accrues no credit. A user holding fewer sequence seats than its share (max_num_seqs over
+  weighted), and the waiting request of the user charged least is admitted next (among
+  equals, the user with the fewest waiting requests). A user that starts waiting again is
+  lifted to the least charged user with unfinished requests, so time away accrues no credit. A user holding fewer sequence seats than its share (max_num_seqs over
   the users with unfinished requests) takes a seat of the most charged user above its share
   (preemption by recompute); the two only move toward the share, so seats never swap back and
   forth.
@@ -226,10 +226,13 @@ class FairRequestQueue(RequestQueue):
         self._len += 1
 
     def _next_user(self) -> str:
-        """The least charged user with a waiting request (ties: the earlier head arrival)."""
+        """The least charged user with a waiting request; among equals (a user lifted to the
+        least charged one ties it), the one with the fewest waiting, then the earlier head
+        arrival: a returning interactive user goes before a backlogged one."""
+        queues = self._queues
         return min(
-            self._queues,
-            key=lambda u: (self.counters.get(u, 0.0), self._queues[u][0].arrival_time),
+            queues,
+            key=lambda u: (self.counters.get(u, 0.0), len(queues[u]), queues[u][0].arrival_time),
         )
 
     def peek(self) -> SequenceGroup:
