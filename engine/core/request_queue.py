@@ -11,10 +11,10 @@ preempts to make room (vLLM's RequestQueue and --scheduling-policy).
   (prompt tokens when first admitted, one output token per sequence a step samples, each
   weighted), and the waiting request of the user charged least is admitted next (among
   equals, the user with the fewest waiting requests). A user that starts waiting again is
-  lifted to the least charged user with unfinished requests, so time away accrues no credit. A user holding fewer sequence seats than its share (max_num_seqs over
-  the users with unfinished requests) takes a seat of the most charged user above its share
-  (preemption by recompute); the two only move toward the share, so seats never swap back and
-  forth.
+  lifted to the least charged user with unfinished requests, so time away accrues no credit.
+  A user holding fewer sequence seats than its share (max_num_seqs over the users with
+  unfinished requests) takes a seat of the most charged user above its share (preemption by
+  recompute); the two only move toward the share, so seats never swap back and forth.
 
 The scheduler calls `add` for a new request, `prepend` for one it took back (preempted, or
 passed over this step), `peek`/`pop` to admit; `remove` and `remove_finished` drop requests.
