@@ -123,6 +123,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
 
 
+class UserStats(msgspec.Struct, array_like=True, frozen=True):
+    """One user's series (engine/core/user_stats.py): its requests running and waiting, and
+    the prompt and generated tokens it was served."""
+
+    num_running: int
+    num_waiting: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
 class EngineStats(msgspec.Struct, array_like=True):
     """The core's counters after a step, for metrics and admission control.
     num_requests_added counts every request the core has taken in, so that the front end can
@@ -146,6 +156,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     # LoRA: running and waiting requests by adapter id (adapters with none left out).
     lora_running: dict[int, int] = {}
     lora_waiting: dict[int, int] = {}
+    # Per user (a bounded set of labels; see engine/core/user_stats.py).
+    users: dict[str, UserStats] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

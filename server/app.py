@@ -229,7 +229,7 @@ def _generating(model: type[BaseModel], answer: str, events: str) -> dict[int | 
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         },
         204: {"description": f"The client disconnected before the {answer.split()[-1]} was ready."},
-    } | _errors(400, 401, 404, 413, 500, 503)
+    } | _errors(400, 401, 404, 413, 429, 500, 503)
 
 
 _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -52,6 +52,9 @@ def launch_server(args: ServerArgs) -> int:
         config.model, config.max_num_seqs, config.max_num_batched_tokens,
         config.scheduling_policy,
     )  # fmt: skip
+    per_user = args.max_num_waiting_per_user
+    if per_user is not None and per_user < 1:
+        raise ValueError(f"--max-num-waiting-per-user must be >= 1, got {per_user}")
     if args.ray:
         from octavo.server.ray_serve.launch import serve_on_ray
 
@@ -125,17 +128,18 @@ def build_server(
     name = args.served_model_name or (DEFAULT_MODEL_NAME if _serves_default_model(args) else model)
     lora = _lora_modules(args, name)
     threads = model_threads(args)
+    per_user = args.max_num_waiting_per_user
     # An API process runs no model and imports no torch; only an engine core does.
     if shared_core is not None:
-        engine = AsyncEngine.sharing(engine_config, args.max_num_waiting, shared_core)
+        engine = AsyncEngine.sharing(engine_config, args.max_num_waiting, shared_core, per_user)
     elif args.inprocess_engine:
         if threads is not None:
             import torch
 
             torch.set_num_threads(threads)
-        engine = AsyncEngine.in_process(engine_config, args.max_num_waiting)
+        engine = AsyncEngine.in_process(engine_config, args.max_num_waiting, per_user)
     else:
-        engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, threads)
+        engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, threads, per_user)
     config = ServerConfig(
         served_model_name=name,
         model_root=str(model),

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from octavo.engine.core_messages import UserStats
 from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.engine.frontend.outputs import RequestMetrics
 
@@ -74,6 +75,29 @@ class EngineStatsCollector(Collector):
                 # An adapter unloaded while its requests run keeps its id as a name.
                 family.add_metric([names.get(lora_int_id, str(lora_int_id))], count)
             yield family
+        yield from _user_families(stats.users)
+
+
+def _user_families(users: dict[str, UserStats]):
+    """Per user (the engine's bounded set of labels: each API key's user, or the first
+    users by `user` field, then "other")."""
+    families = (
+        (GaugeMetricFamily, "user_requests_running", "Requests running per user.", "num_running"),
+        (GaugeMetricFamily, "user_requests_waiting", "Requests waiting per user.", "num_waiting"),
+        (
+            CounterMetricFamily, "user_prompt_tokens",
+            "Prompt tokens served per user (counted at first admission).", "prompt_tokens",
+        ),
+        (
+            CounterMetricFamily, "user_generation_tokens",
+            "Tokens generated per user (counted when each request ends).", "generation_tokens",
+        ),
+    )  # fmt: skip
+    for family_type, name, doc, field in families:
+        family = family_type(PREFIX + name, doc, labels=["user"])
+        for user, series in users.items():
+            family.add_metric([user], getattr(series, field))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

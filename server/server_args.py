@@ -79,6 +79,12 @@ class ServerArgs:
         "and the fair policy); blank lines and lines starting with # are skipped",
     )
     max_num_waiting: int = _option(1024, "requests allowed to wait for admission; more get 503")
+    max_num_waiting_per_user: int | None = _option(
+        None,
+        "requests one user (its API key, or its `user` field without keys) may have waiting "
+        "for admission; more get 429 with Retry-After (default: no bound but "
+        "--max-num-waiting)",
+    )
     max_body_bytes: int = _option(4 << 20)
     chat_template: str | None = _option(
         None,

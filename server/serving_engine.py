@@ -25,6 +25,7 @@ from octavo.engine.frontend.async_engine import (
     EngineStoppedError,
     QueueFullError,
     RequestFailedError,
+    UserQueueFullError,
 )
 from octavo.engine.frontend.input_processor import ProcessedPrompt
 from octavo.engine.frontend.outputs import RequestOutput
@@ -192,6 +193,14 @@ class EngineServing(ABC, Generic[RequestT]):
                 f"{self.engine.max_num_waiting} (--max-num-waiting)",
                 param="prompt",
             )
+        per_user = self.engine.max_num_waiting_per_user
+        if per_user is not None and num_prompts > per_user:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"{num_prompts} prompts can never wait at once: a user's share of the queue "
+                f"holds {per_user} (--max-num-waiting-per-user)",
+                param="prompt",
+            )
         if request.best_of is not None and request.best_of < request.n:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,
@@ -333,8 +342,8 @@ class EngineServing(ABC, Generic[RequestT]):
         """Queues one engine request per prompt (`{request_id}-{i}`), under the LoRA
         adapter the request's `model` names (the base's name: the base), with its priority
         and `user` (what the scheduling policy orders it by); their output streams. A
-        priority the engine refuses is a 400, a full queue or a stopped engine a 503, and
-        each leaves nothing queued."""
+        priority the engine refuses is a 400, a user with a full share of the queue a 429,
+        a full queue or a stopped engine a 503, and each leaves nothing queued."""
         arrival = time.monotonic()
         lora_request = self.lora_request(request.model)
         priority = request.priority or 0
@@ -350,11 +359,13 @@ class EngineServing(ABC, Generic[RequestT]):
             for i in range(len(streams)):
                 self.engine.discard(f"{request_id}-{i}")
             raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
-        except (QueueFullError, EngineStoppedError) as exc:
+        except (UserQueueFullError, QueueFullError, EngineStoppedError) as exc:
             for i in range(len(streams)):
                 self.engine.discard(f"{request_id}-{i}")
             raise APIError(
-                HTTPStatus.SERVICE_UNAVAILABLE,
+                HTTPStatus.TOO_MANY_REQUESTS
+                if isinstance(exc, UserQueueFullError)
+                else HTTPStatus.SERVICE_UNAVAILABLE,
                 str(exc),
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from exc

@@ -324,4 +324,5 @@ class EngineCore:
             num_accepted_tokens_per_pos=list(updater.num_accepted_tokens_per_pos),
             lora_running=self.scheduler.requests_per_adapter(self.scheduler.running),
             lora_waiting=self.scheduler.requests_per_adapter(self.scheduler.waiting),
+            users=self.scheduler.users.stats(self.scheduler.running, self.scheduler.waiting),
         )

@@ -14,6 +14,7 @@ from octavo.engine.core.request_queue import RequestQueue, create_request_queue
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.step_updater import SchedulerUpdate, StepUpdater
 from octavo.engine.core.stop_checker import StopChecker
+from octavo.engine.core.user_stats import UserStatsTracker
 from octavo.engine.step_io import (
     ModelRunnerOutput,
     NewSampledSequence,
@@ -114,6 +115,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompts admitted (each counted once)
+        self.users = UserStatsTracker()
         self._seq_ids = itertools.count()
         # Whether a request with a LoRA adapter ever came: only then does a step list the
         # adapters of its new tables (SchedulerOutput.lora_int_ids).
@@ -167,6 +169,7 @@ class Scheduler:
             self.running.remove(group)
         else:
             self.waiting.remove(group)
+        self.users.ended(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -269,6 +272,7 @@ class Scheduler:
                 group.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += len(group.prompt_token_ids)
                 self.waiting.charge(group, len(group.prompt_token_ids))
+                self.users.admitted(group)
             for seq in group.unfinished_seqs:  # the samples forked off its prompt too
                 seq.status = SequenceStatus.RUNNING
             num_seqs += max(len(seqs), group.num_sequences)
@@ -580,6 +584,8 @@ class Scheduler:
 
     def _drop_finished(self, finished: list[SequenceGroup]) -> None:
         """Takes the step's finished groups out of their queue."""
+        for group in finished:
+            self.users.ended(group)
         was_running = {id(g) for g in self.running}
         self.running = [g for g in self.running if not g.is_finished]
         # A group that finished here without running was preempted after this step was

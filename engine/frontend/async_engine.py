@@ -38,6 +38,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue holds `max_num_waiting` requests already; try again later."""
 
 
+class UserQueueFullError(RuntimeError):
+    """The request's user has `max_num_waiting_per_user` requests waiting; try again later."""
+
+
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down (or its core died) and takes no new requests."""
 
@@ -113,13 +117,23 @@ class AsyncEngine:
         tokenizer: Tokenizer | None,
         max_num_waiting: int,
         stream_interval: int = 1,
+        max_num_waiting_per_user: int | None = None,
     ):
         """`stream_interval`: a stream's outputs after its first come every this many tokens
-        (and at its finish); see OutputProcessor."""
+        (and at its finish); see OutputProcessor. `max_num_waiting_per_user`: how many
+        requests of one user may wait (None: no bound but the global one)."""
         if max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be >= 1, got {max_num_waiting}")
+        if max_num_waiting_per_user is not None and max_num_waiting_per_user < 1:
+            raise ValueError(
+                f"max_num_waiting_per_user must be >= 1, got {max_num_waiting_per_user}"
+            )
         self.client = client
         self.max_num_waiting = max_num_waiting
+        self.max_num_waiting_per_user = max_num_waiting_per_user
+        # Each unfinished request's user, and how many unfinished requests each user has.
+        self._request_users: dict[str, str] = {}
+        self._num_unfinished_per_user: dict[str, int] = {}
         self.input_processor = InputProcessor(tokenizer, client.limits)
         self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self._streams: dict[str, _OutputStream] = {}
@@ -136,30 +150,51 @@ class AsyncEngine:
 
     @classmethod
     def multiprocess(
-        cls, config: EngineConfig, max_num_waiting: int, core_threads: int | None = None
+        cls,
+        config: EngineConfig,
+        max_num_waiting: int,
+        core_threads: int | None = None,
+        max_num_waiting_per_user: int | None = None,
     ) -> AsyncEngine:
         """The core in a process of its own with `core_threads` torch threads; returns once
         it is up (ValueError with the core's message if it could not start)."""
         client = MultiprocessCoreClient(config, core_threads)
         tokenizer = load_tokenizer(config.model, config.load_format)
-        return cls(client, tokenizer, max_num_waiting, config.stream_interval)
+        return cls(
+            client, tokenizer, max_num_waiting, config.stream_interval, max_num_waiting_per_user
+        )
 
     @classmethod
-    def sharing(cls, config: EngineConfig, max_num_waiting: int, shared: SharedCore) -> AsyncEngine:
+    def sharing(
+        cls,
+        config: EngineConfig,
+        max_num_waiting: int,
+        shared: SharedCore,
+        max_num_waiting_per_user: int | None = None,
+    ) -> AsyncEngine:
         """One of several API processes in front of a core their supervisor started."""
         client = MultiprocessCoreClient.connect(shared)
         tokenizer = load_tokenizer(config.model, config.load_format)
-        return cls(client, tokenizer, max_num_waiting, config.stream_interval)
+        return cls(
+            client, tokenizer, max_num_waiting, config.stream_interval, max_num_waiting_per_user
+        )
 
     @classmethod
-    def in_process(cls, config: EngineConfig, max_num_waiting: int) -> AsyncEngine:
+    def in_process(
+        cls,
+        config: EngineConfig,
+        max_num_waiting: int,
+        max_num_waiting_per_user: int | None = None,
+    ) -> AsyncEngine:
         """The core in a thread of this process (`client.core` is reachable)."""
         # Here, not at the top: a process whose core runs elsewhere never loads torch.
         from octavo.engine.core.engine_core import EngineCore
 
         client = InprocessCoreClient(EngineCore(config))
         tokenizer = load_tokenizer(config.model, config.load_format)
-        return cls(client, tokenizer, max_num_waiting, config.stream_interval)
+        return cls(
+            client, tokenizer, max_num_waiting, config.stream_interval, max_num_waiting_per_user
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -230,6 +265,15 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.client.limits.vocab_size
 
+    def num_waiting_of(self, user: str) -> int:
+        """Requests of `user` waiting for admission: its unfinished requests less those the
+        core runs as of its latest count of them (`EngineStats.users`, a little behind the
+        queues, so a request admitted since still counts as waiting). A user past the
+        bounded set of series has no count of its own: all its unfinished requests count."""
+        unfinished = self._num_unfinished_per_user.get(user, 0)
+        series = self._stats.users.get(user)
+        return unfinished - (series.num_running if series is not None else 0)
+
     def process_inputs(
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
     ) -> ProcessedPrompt:
@@ -249,7 +293,8 @@ class AsyncEngine:
         `priority` and `user`: what the scheduling policy orders it by.
 
         Raises EngineStoppedError when shutting down, QueueFullError when max_num_waiting
-        requests are waiting, ValueError for a request id in use. The stream yields outputs
+        requests are waiting, UserQueueFullError when `user` has max_num_waiting_per_user
+        waiting, ValueError for a request id in use. The stream yields outputs
         as the request's output kind says and ends after the finished one; closing it early
         (a client that went away) aborts the request.
         """
@@ -259,6 +304,9 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_waiting >= self.max_num_waiting:
             raise QueueFullError(f"{self.max_num_waiting} requests are already waiting")
+        limit = self.max_num_waiting_per_user
+        if limit is not None and self.num_waiting_of(user) >= limit:
+            raise UserQueueFullError(f"{limit} requests of this user are already waiting")
         request = self.input_processor.core_request(
             request_id, prompt, params, arrival_time, lora_request, priority, user
         )
@@ -269,6 +317,8 @@ class AsyncEngine:
         )
         self._pending.requests.append(request)
         self._num_requests_sent += 1
+        self._request_users[request_id] = user
+        self._num_unfinished_per_user[user] = self._num_unfinished_per_user.get(user, 0) + 1
         self._schedule_flush()
         return self._iterate(request_id, stream)
 
@@ -326,6 +376,13 @@ class AsyncEngine:
                 stream.fail(RequestFailedError(state.error))
             else:
                 stream.put(state)
+        for request_id in updated.finished:
+            user = self._request_users.pop(request_id)
+            left = self._num_unfinished_per_user[user] - 1
+            if left:
+                self._num_unfinished_per_user[user] = left
+            else:
+                del self._num_unfinished_per_user[user]
         if updated.sample_aborts or updated.aborts:
             self._pending.sample_aborts.extend(updated.sample_aborts)
             self._pending.aborts.extend(updated.aborts)
@@ -347,4 +404,5 @@ __all__ = [
     "EngineStoppedError",
     "QueueFullError",
     "RequestFailedError",
+    "UserQueueFullError",
 ]

@@ -115,10 +115,11 @@ class RequestState:
 @dataclass
 class UpdatedRequests:
     """What one batch of core outputs changed: the requests with an output due (to `build`),
-    and what the core must stop (samples that hit a stop string; requests whose outputs
-    could not be applied)."""
+    the ids of those that ended, and what the core must stop (samples that hit a stop
+    string; requests whose outputs could not be applied)."""
 
     ready: list[RequestState] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
     sample_aborts: list[SampleAbort] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
 
@@ -197,10 +198,11 @@ class OutputProcessor:
             if state is None:
                 continue
             try:
-                due = self._update_one(state, output, result.sample_aborts, now)
+                due = self._update_one(state, output, result, now)
             except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
                 logger.error("request %s failed", state.request_id, exc_info=exc)
-                del self._requests[state.request_id]
+                if self._requests.pop(state.request_id, None) is not None:
+                    result.finished.append(state.request_id)
                 if not output.finished:
                     result.aborts.append(state.request_id)
                 state.finished, state.failed = True, True
@@ -259,11 +261,11 @@ class OutputProcessor:
         self,
         state: RequestState,
         output: EngineCoreOutput,
-        sample_aborts: list[SampleAbort],
+        result: UpdatedRequests,
         now: float,
     ) -> bool:
-        """Applies one request's core output, received at `now`; returns whether an output
-        of it is due."""
+        """Applies one request's core output, received at `now`, noting its stop-string
+        sample aborts and its end in `result`; returns whether an output of it is due."""
         if output.first_scheduled_time is not None:
             state.first_scheduled_time = output.first_scheduled_time
         if output.first_token_time is not None and state.first_token_time is None:
@@ -291,7 +293,7 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 any_sample_finished = True
                 if delta.finish_reason is None:
-                    sample_aborts.append(SampleAbort(state.request_id, sample.index))
+                    result.sample_aborts.append(SampleAbort(state.request_id, sample.index))
             if kind is RequestOutputKind.CUMULATIVE or (
                 kind is RequestOutputKind.DELTA and self._due(sample)
             ):
@@ -299,6 +301,7 @@ class OutputProcessor:
         if not (output.finished or (any_sample_finished and state.all_samples_finished)):
             return due
         del self._requests[state.request_id]
+        result.finished.append(state.request_id)
         state.finished, state.finished_time = True, now
         state.error = output.error
         state.beams = output.beams

@@ -159,6 +159,13 @@ def test_auto_tool_choice_flags_are_checked_at_start(capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_per_user_waiting_limit_below_one_is_refused_at_start(capsys, value):
+    assert main(["serve", "--max-num-waiting-per-user", value]) == 2
+    message = f"--max-num-waiting-per-user must be >= 1, got {value}"
+    assert capsys.readouterr().err == f"octavo: error: {message}\n"
+
+
 @pytest.mark.parametrize(
     ("flags", "has_template", "parser"),
     [

@@ -63,10 +63,14 @@ class LoopTransport(httpx.BaseTransport):
 class InProcessServer:
     """One app with its engine on a loop thread; `close` runs the app's lifespan shutdown.
     `engine_args` change ENGINE_ARGS (the engine flags of `octavo serve`, as --stream-interval),
-    `server_config` the ServerConfig."""
+    `max_num_waiting_per_user` is the flag's, `server_config` the ServerConfig."""
 
     def __init__(
-        self, model_dir: str, engine_args: dict[str, Any] | None = None, **server_config: Any
+        self,
+        model_dir: str,
+        engine_args: dict[str, Any] | None = None,
+        max_num_waiting_per_user: int | None = None,
+        **server_config: Any,
     ):
         self.model_dir = model_dir
         self.loop = asyncio.new_event_loop()
@@ -75,7 +79,9 @@ class InProcessServer:
         engine_config = EngineConfig(
             model=model_dir, device="cpu", dtype="float32", **(ENGINE_ARGS | (engine_args or {}))
         )
-        self.engine = AsyncEngine.in_process(engine_config, MAX_NUM_WAITING)
+        self.engine = AsyncEngine.in_process(
+            engine_config, MAX_NUM_WAITING, max_num_waiting_per_user
+        )
         config = {
             "served_model_name": MODEL_NAME,
             "model_root": model_dir,
