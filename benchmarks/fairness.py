@@ -6,15 +6,20 @@ Workload: `octavo serve` on a dummy GPT-2 (--layers 4 --hidden 256 --heads 4 by 
 --flood-prompt-len (192) token prompt asking --flood-output-len (64) tokens, starting a new one
 as each ends: more than the engine seats, so it is always backlogged. The interactive client
 sends one stream at a time, a --chat-prompt-len (48) token prompt asking --chat-output-len (16)
-tokens, --chat-think-s apart. Each run measures --duration-s after --warmup-s; streams still
-open at the end are closed (the server aborts them) and not counted.
+tokens, --chat-think-s apart. Each run measures --duration-s after --warmup-s: the tokens of
+the streams that end in that window, the TTFT of those sent in it too; streams still open at
+the end are closed (the server aborts them) and not counted.
 
 Runs: the interactive client alone (its TTFT floor, under fcfs), then both clients under fcfs,
 priority (the interactive client's requests carry priority -1) and fair (each client sends its
-own `user`). Reported per run and client: TTFT median and p90, completed requests, generated
-tokens per second; the total tokens per second; the interactive median TTFT over its alone
-figure; each client's share of the tokens served (prompt + generated). Results JSON, and a plot
-beside it (.png).
+own `user`). Then two backlogged clients, both shaped as the flood, one ("heavy") with
+--flood-concurrency streams and the other ("light") with --light-concurrency (12): under fcfs
+each takes seats in proportion to its streams, under fair each should get half. Reported per
+run and client: TTFT median and p90, completed requests, generated tokens per second; the
+total tokens per second; the interactive median TTFT over its alone figure and in mean engine
+steps of the run (its duration over the steps /metrics counted in it: a request arriving
+mid-step waits for that step, then its own); each client's share of the tokens served
+(prompt + generated). Results JSON, and a plot beside it (.png).
 
     .venv/bin/python -m benchmarks.fairness
 """
@@ -28,6 +33,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from benchmarks.common import default_result_file, dummy_checkpoint
@@ -35,7 +41,10 @@ from benchmarks.provenance import REPO_ROOT, header, machine, write_result
 from benchmarks.sse_client import free_port, running_server, stream_one
 
 MODEL_NAME = "fairness"
-POLICY_RUNS = (("alone", "fcfs"), ("fcfs", "fcfs"), ("priority", "priority"), ("fair", "fair"))
+POLICY_RUNS = (
+    ("alone", "fcfs"), ("fcfs", "fcfs"), ("priority", "priority"), ("fair", "fair"),
+    ("backlogged-fcfs", "fcfs"), ("backlogged-fair", "fair"),
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flood-concurrency", type=int, default=24)
     parser.add_argument("--flood-prompt-len", type=int, default=192)
     parser.add_argument("--flood-output-len", type=int, default=64)
+    parser.add_argument("--light-concurrency", type=int, default=12)
     parser.add_argument("--chat-prompt-len", type=int, default=48)
     parser.add_argument("--chat-output-len", type=int, default=16)
     parser.add_argument("--chat-think-s", type=float, default=0.05)
@@ -66,17 +76,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def bodies(args: argparse.Namespace, client: str, policy: str, rng: random.Random):
-    """Endless request bodies of one client ("flood" or "chat") for a run's policy."""
-    prompt_len = args.flood_prompt_len if client == "flood" else args.chat_prompt_len
-    output_len = args.flood_output_len if client == "flood" else args.chat_output_len
+def clients(args: argparse.Namespace, name: str) -> list[tuple[str, int, float, int, int]]:
+    """A run's clients: (name, streams at a time, pause between streams, prompt and output
+    lengths)."""
+    flood = (args.flood_prompt_len, args.flood_output_len)
+    chat = ("chat", 1, args.chat_think_s, args.chat_prompt_len, args.chat_output_len)
+    if name == "alone":
+        return [chat]
+    if name.startswith("backlogged"):
+        return [("heavy", args.flood_concurrency, 0.0, *flood),
+                ("light", args.light_concurrency, 0.0, *flood)]  # fmt: skip
+    return [chat, ("flood", args.flood_concurrency, 0.0, *flood)]
+
+
+def bodies(client: str, prompt_len: int, output_len: int, vocab: int, policy: str, rng):
+    """Endless request bodies of one client for a run's policy."""
     extra: dict = {}
     if policy == "priority" and client == "chat":
         extra["priority"] = -1
     if policy == "fair":
         extra["user"] = client
     while True:
-        prompt = [rng.randrange(args.vocab - 1) for _ in range(prompt_len)]
+        prompt = [rng.randrange(vocab - 1) for _ in range(prompt_len)]
         body = {
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True,
@@ -85,8 +106,8 @@ def bodies(args: argparse.Namespace, client: str, policy: str, rng: random.Rando
 
 
 async def client(port, requests, concurrency, think_s, start, stop, outcomes) -> None:
-    """`concurrency` streams at a time until `stop`; records (sent, ttft, tokens) of each
-    stream sent after `start` that ended before `stop`."""
+    """`concurrency` streams at a time until `stop`; records (whether it was sent after
+    `start`, ttft, tokens) of each stream that ended between `start` and `stop`."""
 
     async def one_at_a_time():
         while time.monotonic() < stop:
@@ -94,8 +115,8 @@ async def client(port, requests, concurrency, think_s, start, stop, outcomes) ->
             tokens, ok, _, ttft, _ = await stream_one(port, next(requests))
             if not ok:
                 raise RuntimeError("a stream failed")
-            if sent >= start and time.monotonic() <= stop:
-                outcomes.append((sent, ttft, tokens))
+            if start <= time.monotonic() <= stop:
+                outcomes.append((sent >= start, ttft, tokens))
             if think_s:
                 await asyncio.sleep(think_s)
 
@@ -109,7 +130,10 @@ async def client(port, requests, concurrency, think_s, start, stop, outcomes) ->
 
 
 def summary(outcomes: list, prompt_len: int, duration_s: float) -> dict:
-    ttfts = sorted(o[1] for o in outcomes)
+    """A client's figures: tokens over the streams that ended in the window (a backlogged
+    client's requests wait long, and counting only those sent in it would leave out the
+    service it got for requests sent before), TTFT over those sent in it too."""
+    ttfts = sorted(o[1] for o in outcomes if o[0])
     tokens = sum(o[2] for o in outcomes)
     return {
         "requests": len(outcomes),
@@ -120,6 +144,15 @@ def summary(outcomes: list, prompt_len: int, duration_s: float) -> dict:
     }
 
 
+def engine_steps(port: int) -> float:
+    """The server's engine steps so far (octavo:engine_steps_total of /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("octavo:engine_steps_total "):
+                return float(line.split()[1])
+    raise RuntimeError("/metrics has no octavo:engine_steps_total")
+
+
 def run(model: Path, args: argparse.Namespace, name: str, policy: str) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "octavo", "serve", "--model", str(model), "--served-model-name",
@@ -128,34 +161,36 @@ def run(model: Path, args: argparse.Namespace, name: str, policy: str) -> dict:
            "--kv-cache-gb", str(args.kv_cache_gb),
            "--scheduling-policy", policy]  # fmt: skip
     rng = random.Random(args.seed)
-    flood_outcomes: list = []
-    chat_outcomes: list = []
+    specs = clients(args, name)
+    outcomes: dict[str, list] = {spec[0]: [] for spec in specs}
     with running_server(cmd, port, cwd=REPO_ROOT):
+        steps: list[float] = []
+
+        async def count_steps(start: float, stop: float) -> None:
+            for at in (start, stop):
+                await asyncio.sleep(max(at - time.monotonic(), 0))
+                steps.append(await asyncio.to_thread(engine_steps, port))
 
         async def main():
             start = time.monotonic() + args.warmup_s
             stop = start + args.duration_s
-            chat = client(port, bodies(args, "chat", policy, rng), 1, args.chat_think_s,
-                          start, stop, chat_outcomes)  # fmt: skip
-            if name == "alone":
-                await chat
-                return
-            flood = client(port, bodies(args, "flood", policy, rng), args.flood_concurrency,
-                           0.0, start, stop, flood_outcomes)  # fmt: skip
-            await asyncio.gather(chat, flood)
+            await asyncio.gather(count_steps(start, stop), *(
+                client(port, bodies(c, prompt_len, output_len, args.vocab, policy, rng),
+                       concurrency, think_s, start, stop, outcomes[c])
+                for c, concurrency, think_s, prompt_len, output_len in specs
+            ))  # fmt: skip
 
         asyncio.run(main())
-    result = {
-        "command": " ".join(cmd[1:]),
-        "chat": summary(chat_outcomes, args.chat_prompt_len, args.duration_s),
-    }
-    if name != "alone":
-        result["flood"] = summary(flood_outcomes, args.flood_prompt_len, args.duration_s)
-        served = [result[c]["served_tokens"] for c in ("chat", "flood")]
-        for c, tokens in zip(("chat", "flood"), served, strict=True):
-            result[c]["share_of_served_tokens"] = tokens / max(sum(served), 1)
+    mean_step_ms = 1000 * args.duration_s / max(steps[1] - steps[0], 1)
+    result: dict = {"command": " ".join(cmd[1:]), "mean_step_ms": mean_step_ms}
+    for c, _, _, prompt_len, _ in specs:
+        result[c] = summary(outcomes[c], prompt_len, args.duration_s)
+    if len(specs) > 1:
+        served = sum(result[c]["served_tokens"] for c in outcomes)
+        for c in outcomes:
+            result[c]["share_of_served_tokens"] = result[c]["served_tokens"] / max(served, 1)
         result["total_generated_tokens_per_s"] = sum(
-            result[c]["generated_tokens_per_s"] for c in ("chat", "flood")
+            result[c]["generated_tokens_per_s"] for c in outcomes
         )
     print(name, json.dumps(result, indent=None), flush=True)
     return result
@@ -168,20 +203,25 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    names = list(runs)
-    fig, (ttft, share) = plt.subplots(1, 2, figsize=(10, 4))
-    medians = [runs[n]["chat"]["ttft_median_ms"] or 0 for n in names]
-    ttft.bar(names, medians, color="tab:blue")
+    fig, (ttft, share) = plt.subplots(1, 2, figsize=(12, 4))
+    interactive = [n for n in runs if "chat" in runs[n]]
+    medians = [runs[n]["chat"]["ttft_median_ms"] or 0 for n in interactive]
+    ttft.bar(interactive, medians, color="tab:blue")
     ttft.set_ylabel("interactive client's median TTFT (ms)")
     ttft.set_yscale("log")
-    shared = [n for n in names if n != "alone"]
-    bottoms = [0.0] * len(shared)
-    for c, color in (("chat", "tab:blue"), ("flood", "tab:orange")):
-        values = [runs[n][c]["share_of_served_tokens"] for n in shared]
-        share.bar(shared, values, bottom=bottoms, color=color, label=c)
-        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    colors = {"chat": "tab:blue", "flood": "tab:orange", "heavy": "tab:red", "light": "tab:green"}
+    for n in (n for n in runs if n != "alone"):
+        bottom = 0.0
+        for c, color in colors.items():
+            if c in runs[n]:
+                value = runs[n][c]["share_of_served_tokens"]
+                share.bar(n, value, bottom=bottom, color=color)
+                bottom += value
+    share.axhline(0.5, color="gray", linewidth=0.8, linestyle="--")
     share.set_ylabel("share of tokens served (prompt + generated)")
-    share.legend()
+    share.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=v) for v in colors.values()],
+                 labels=list(colors), fontsize="small")  # fmt: skip
+    share.tick_params(axis="x", labelrotation=20)
     fig.suptitle(f"fairness: {result['machine'].get('cpu_model', '')}")
     fig.tight_layout()
     fig.savefig(path)
@@ -194,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         results = {name: run(model, args, name, runs[name]) for name in args.runs}
     alone = results.get("alone", {}).get("chat", {}).get("ttft_median_ms")
     for name, value in results.items():
-        median = value["chat"]["ttft_median_ms"]
+        median = value["chat"]["ttft_median_ms"] if "chat" in value else None
+        if median:
+            value["chat_ttft_in_mean_steps"] = median / value["mean_step_ms"]
         if alone and median and name != "alone":
             value["chat_ttft_over_alone"] = median / alone
     workload = {k: v for k, v in vars(args).items() if k not in ("result_file", "runs")}

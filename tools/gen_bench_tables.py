@@ -562,17 +562,21 @@ def fairness(title: str, files: list[Result]) -> list[str]:
     for result in files:
         rows = []
         for name, run in result[1]["runs"].items():
-            chat, flood = run["chat"], run.get("flood")
+            chat = run.get("chat")
+            clients = [c for c in ("chat", "flood", "heavy", "light") if c in run]
+            shares = " / ".join(f"{c} {pct(run[c].get('share_of_served_tokens'))}" for c in clients)
             rows.append([
-                "interactive alone" if name == "alone" else f"beside the flood, {name}",
-                f"{num(chat['ttft_median_ms'])} / {num(chat['ttft_p90_ms'])}",
-                times(run.get("chat_ttft_over_alone"), 1) if flood else "",
-                pct(chat.get("share_of_served_tokens")) if flood else "",
-                num(flood["ttft_median_ms"]) if flood else "",
+                {"alone": "interactive alone", "backlogged-fcfs": "two backlogged, fcfs",
+                 "backlogged-fair": "two backlogged, fair"}.get(name, f"beside the flood, {name}"),
+                f"{num(chat['ttft_median_ms'])} / {num(chat['ttft_p90_ms'])}" if chat else "",
+                times(run.get("chat_ttft_over_alone"), 1) if chat and name != "alone" else "",
+                num(run.get("chat_ttft_in_mean_steps"), 2) if chat else "",
+                shares if len(clients) > 1 else "",
+                num(run.get("mean_step_ms")),
                 num(run.get("total_generated_tokens_per_s") or chat["generated_tokens_per_s"]),
             ])  # fmt: skip
-        header = ["interactive TTFT ms, median / p90", "over alone", "interactive share of tokens",
-                  "flood TTFT ms, median", "generated tok/s, all"]  # fmt: skip
+        header = ["interactive TTFT ms, median / p90", "over alone", "in mean steps",
+                  "shares of tokens served", "mean step ms", "generated tok/s, all"]  # fmt: skip
         lines += table([caption(title, result), *header], rows)
     return lines
 
