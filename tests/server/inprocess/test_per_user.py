@@ -5,11 +5,12 @@ served on and nothing left queued or held."""
 import asyncio
 import re
 
+import openai
 import pytest
 
 from octavo.engine.frontend.async_engine import AsyncEngine
 from tests.server.conftest import MODEL_NAME
-from tests.server.inprocess.conftest import InProcessServer
+from tests.server.inprocess.conftest import BASE_URL, InProcessServer
 from tests.server.openai_errors import assert_error
 
 BODY = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 5, "ignore_eos": True}
@@ -126,3 +127,31 @@ def test_the_engine_refuses_a_per_user_limit_below_one(value):
     # Checked before the engine reads anything of its core client.
     with pytest.raises(ValueError, match="max_num_waiting_per_user must be >= 1"):
         AsyncEngine(None, None, 8, max_num_waiting_per_user=value)  # type: ignore[arg-type]
+
+
+def test_the_openai_client_reads_the_429_as_a_rate_limit(tiny_model_dir):
+    server = InProcessServer(tiny_model_dir, {"max_num_seqs": 1}, max_num_waiting_per_user=1)
+    try:
+        client = openai.AsyncOpenAI(
+            base_url=f"{BASE_URL}/v1", api_key="unused", max_retries=0, http_client=server.client
+        )
+
+        async def one():
+            try:
+                await client.completions.create(
+                    model=MODEL_NAME, prompt="Hello", max_tokens=30, user="flood",
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                return "ok"
+            except openai.RateLimitError as exc:
+                assert exc.response.headers["retry-after"] == "1"
+                return "limited"
+
+        async def burst_of(count: int):
+            return await asyncio.gather(*(one() for _ in range(count)))
+
+        outcomes = server.run(burst_of(8))
+        assert "ok" in outcomes and "limited" in outcomes, outcomes
+        assert_idle(server)
+    finally:
+        server.close()
