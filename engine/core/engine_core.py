@@ -15,7 +15,8 @@ from octavo.engine.config import EngineConfig
 from octavo.engine.core.beam_state import BeamState
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.request_outputs import final_output, refused_output
-from octavo.engine.core.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from octavo.engine.core.scheduled_step import ScheduledStep
+from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
 from octavo.engine.core.sequence import Sequence, SequenceGroup
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import (

@@ -27,13 +27,10 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from octavo.engine.config import SCHEDULING_POLICIES
+from octavo.engine.core.scheduled_step import CoreEntry, ScheduledFields
 from octavo.engine.core.sequence import SequenceGroup
-
-if TYPE_CHECKING:
-    from octavo.engine.core.scheduler import CoreEntry, ScheduledFields
 
 # Users whose counters the fair queue keeps once they have nothing queued: past this many, the
 # idle ones are forgotten (one coming back is lifted as a new one is), so a flood of distinct

@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from octavo.engine.core.beam_search import BeamSearch
 from octavo.engine.core.request_outputs import (
@@ -16,13 +15,11 @@ from octavo.engine.core.request_outputs import (
     final_output,
     progress_output,
 )
+from octavo.engine.core.scheduled_step import ScheduledStep
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.step_io import ModelRunnerOutput
-
-if TYPE_CHECKING:
-    from octavo.engine.core.scheduler import ScheduledStep
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 import itertools
 
 from octavo.engine.core.block_manager import BlockManager
-from octavo.engine.core.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from octavo.engine.core.scheduled_step import ScheduledStep
+from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.sampling_params import SamplingParams

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from octavo.engine.core.block_manager import BlockManager
-from octavo.engine.core.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from octavo.engine.core.scheduled_step import ScheduledStep
+from octavo.engine.core.scheduler import Scheduler, SchedulerConfig
 from octavo.engine.core.sequence import Sequence, SequenceGroup
 from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.sampling_params import SamplingParams
