@@ -29,6 +29,9 @@ REFRESH_SECONDS = 0.1
 
 
 class UserStatsTracker:
+    """The scheduler's per-user counts: told of each first admission and each end, asked for
+    the per-label stats with every step's EngineStats."""
+
     def __init__(
         self,
         max_series: int = MAX_USER_SERIES,
@@ -79,7 +82,7 @@ class UserStatsTracker:
                     counts[label] = [0, 0]
                 counts[label][kind] += 1
         self._snapshot = {
-            label: UserStats(running, waiting, *self._tokens[label])
-            for label, (running, waiting) in counts.items()
+            label: UserStats(num_running, num_waiting, *self._tokens[label])
+            for label, (num_running, num_waiting) in counts.items()
         }
         return self._snapshot
