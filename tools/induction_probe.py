@@ -10,6 +10,7 @@ ending at --seconds or at 95%.
 
     .venv/bin/python -m tools.induction_probe --bf16 --seconds 600
     .venv/bin/python -m tools.induction_probe --bf16 --layers 2 --token-range 67
+    .venv/bin/python -m tools.induction_probe --bf16 --induction-init --seconds 60
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seg-max", type=int, default=24)
     parser.add_argument("--sin-pos", type=float, default=0.0,
                         help="start the position embeddings as sinusoids times this")  # fmt: skip
+    parser.add_argument("--induction-init", action="store_true",
+                        help="start with tools/induction_init.py's circuit")  # fmt: skip
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -86,6 +89,10 @@ def main() -> None:
     if args.sin_pos:
         with torch.no_grad():
             model.transformer.wpe.weight.copy_(sinusoids(512, args.embd) * args.sin_pos)
+    if args.induction_init:
+        from tools.induction_init import write_induction_circuit
+
+        write_induction_circuit(model, torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)  # fmt: skip
 
