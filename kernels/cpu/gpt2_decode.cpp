@@ -35,6 +35,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -125,13 +126,16 @@ void layer_norm(const float* x, int64_t n, const float* w, const float* b, float
 }
 
 // The tanh GELU as x * sigmoid(2u) (the same function: 0.5 (1 + tanh u) = sigmoid(2u)), in
-// a form the compiler vectorizes through the vector exp.
+// a form the compiler vectorizes through the vector exp. The exponent is capped below expf's
+// overflow (~88.7, reached from x < -10.3): under -ffast-math the quotient by an infinite
+// denominator may be computed through a reciprocal estimate, which gives NaN, not 0.
 inline void gelu_tanh(float* x, int64_t n) {
+  constexpr float kMaxExponent = 80.0f;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-    x[i] = v / (1.0f + std::exp(-2.0f * u));
+    x[i] = v / (1.0f + std::exp(std::min(-2.0f * u, kMaxExponent)));
   }
 }
 

@@ -96,7 +96,28 @@ def _eager(runner, inputs, kv_cache) -> torch.Tensor:
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("model", MODELS)
 def test_the_fused_step_is_the_models_forward(folders, model, setting):
-    llm = _llm(folders[model], **SETTINGS[setting])
+    _assert_fused_is_eager(_llm(folders[model], **SETTINGS[setting]), setting)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_gelu_inputs_far_below_zero_give_zero_not_nan(tmp_path, setting):
+    """Half the MLP's pre-activations at -40, past where the GELU's exp overflows (from
+    about -10.3, which a trained 256-wide model reaches): the fused step's states stay the
+    op-by-op forward's, finite."""
+    from transformers import GPT2LMHeadModel
+
+    folder = make_checkpoint(tmp_path, TinySpec(n_layer=2))
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.mlp.c_fc.bias[::2] = -40.0
+    model.save_pretrained(folder)
+    _assert_fused_is_eager(_llm(folder, **SETTINGS[setting]), setting)
+
+
+def _assert_fused_is_eager(llm: LLM, setting: str) -> None:
+    """The fused step's hidden states and stored K/V against the model's forward, for 1, 3
+    and MAX_ROWS sequences over a cache of random context."""
     runner = llm.engine.core.runner
     fused = runner.dispatcher.full
     assert isinstance(fused, FusedDecode)
