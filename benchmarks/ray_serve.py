@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def body(prompt: list[int], max_tokens: int) -> bytes:
     return json.dumps(
         {
-            "model": "octavo-tiny",
+            "model": "octavo-tiny-chat",
             "prompt": prompt,
             "max_tokens": max_tokens,
             "ignore_eos": True,

@@ -24,7 +24,7 @@ from octavo.server.dataclass_flags import add_flags, config_values, from_flags
 
 # The tiny GPT-2 trained on Python's reference text (tools/train_default_model.py).
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
-DEFAULT_MODEL_NAME = "octavo-tiny"
+DEFAULT_MODEL_NAME = "octavo-tiny-chat"
 # A chat template of the embedded checkpoint writes tools and calls in the Hermes format.
 DEFAULT_MODEL_TOOL_CALL_PARSER = "hermes"
 API_KEY_ENV = "OCTAVO_API_KEY"
@@ -32,7 +32,7 @@ API_KEY_ENV = "OCTAVO_API_KEY"
 DEFAULT_MAX_N_SHARE = 4
 # From this cost per token the engine core takes every CPU core (launch.default_model_threads):
 # the 6x512 GPT-2 of the serving benchmark costs 42 MFLOP per token, its 1x16 twin 0.14, the
-# embedded default model 2.6.
+# embedded default model 8.4.
 MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES = 10_000_000
 # --api-server-count's most by default (launch.default_api_server_count).
 MAX_DEFAULT_API_SERVERS = 4

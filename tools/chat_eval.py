@@ -45,10 +45,18 @@ def reference_loss(model_dir: Path, text: str) -> dict[str, float]:
 
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     model = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return text_loss(model, tokenizer, text)
+
+
+@torch.no_grad()
+def text_loss(model, tokenizer, text: str) -> dict[str, float]:
+    """`reference_loss` of a model in memory (its mode left as it was)."""
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids)
     usable = ids.numel() // WINDOW * WINDOW
     windows = ids[:usable].view(-1, WINDOW)
-    loss = model(input_ids=windows, labels=windows).loss.item()
+    training = model.training
+    loss = model.eval()(input_ids=windows, labels=windows).loss.item()
+    model.train(training)
     predicted = windows[:, 1:].reshape(-1).tolist()
     predicted_bytes = len(tokenizer.decode(predicted, skip_special_tokens=False).encode())
     bits = loss * len(predicted) / math.log(2)

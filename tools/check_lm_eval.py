@@ -72,7 +72,7 @@ def hf_folder(model_dir: Path, out: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model-name", default="octavo-tiny")
+    parser.add_argument("--model-name", default="octavo-tiny-chat")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args()

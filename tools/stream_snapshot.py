@@ -49,7 +49,7 @@ from octavo.server.serving_engine import ServerConfig
 
 NUM_REQUESTS = 160
 SEED = 20261127
-MODEL_NAME = "octavo-tiny"
+MODEL_NAME = "octavo-tiny-chat"
 BASE_URL = "http://snapshot.test"
 # ChatML: the default model has no chat template of its own.
 CHAT_TEMPLATE = (

@@ -1,5 +1,5 @@
 """The embedded default model served in-process, as `make serve` serves it (model name
-octavo-tiny), for the docs' examples and the generated reference pages."""
+octavo-tiny-chat), for the docs' examples and the generated reference pages."""
 
 from collections.abc import Iterator
 

@@ -114,7 +114,7 @@ def test_the_installed_command_serves_the_default_model(venv, tmp_path):
                     pass
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-        body = {"model": "octavo-tiny", "prompt": "The while statement", "max_tokens": 8}
+        body = {"model": "octavo-tiny-chat", "prompt": "The while statement", "max_tokens": 8}
         response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
