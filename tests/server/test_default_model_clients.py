@@ -15,7 +15,11 @@ import pytest
 from octavo.server.server_args import DEFAULT_MODEL_NAME
 from tests.server.conftest import LiveServer, live_server
 
-CITY = "Berlin"  # the first held-out city: never in a training conversation (tools/chat_corpus.py)
+pytestmark = pytest.mark.slow  # a live server
+
+# The first held-out city: never in a training conversation (tools/chat_corpus.py). The rate
+# over all of them is tools/check_agent_loop.py's figure (server/default_model/README.md).
+CITY = "Berlin"
 FORECAST = "sunny, 18 C"
 
 
