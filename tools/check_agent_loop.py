@@ -20,9 +20,10 @@ FORECAST = "sunny, 18 C"
 INSTRUCTIONS = "Use the tools to answer the user's questions."
 
 
-async def run_loop(model, city: str) -> dict:
-    """One Runner.run on "What is the weather in CITY?": the calls made and the final output
-    (or the error the SDK raised)."""
+async def run_loop(model, city: str) -> tuple[list[str], str]:
+    """One Runner.run of an agent with a `get_weather` tool (which always answers FORECAST)
+    on "What is the weather in CITY?": the cities it was called with and the final output.
+    The SDK's errors (a model that never finishes) are raised."""
     from agents import Agent, ModelSettings, Runner, function_tool
 
     calls: list[str] = []
@@ -40,17 +41,19 @@ async def run_loop(model, city: str) -> dict:
         model=model,
         model_settings=ModelSettings(temperature=0),
     )
+    result = await Runner.run(agent, f"What is the weather in {city}?", max_turns=3)
+    return calls, str(result.final_output)
+
+
+async def scored_loop(model, city: str) -> dict:
+    """run_loop's calls and output, an error the SDK raised as the output, and whether the
+    loop completed: one call with the city, and an answer quoting its result."""
     try:
-        result = await Runner.run(agent, f"What is the weather in {city}?", max_turns=3)
-        output = str(result.final_output)
+        calls, output = await run_loop(model, city)
     except Exception as error:  # noqa: BLE001 -- the SDK's refusals are the figure's failures
-        output = f"{type(error).__name__}: {error}"
-    return {
-        "city": city,
-        "calls": calls,
-        "output": output,
-        "ok": calls == [city] and FORECAST in output,
-    }
+        calls, output = [], f"{type(error).__name__}: {error}"
+    return {"city": city, "calls": calls, "output": output,
+            "ok": calls == [city] and FORECAST in output}  # fmt: skip
 
 
 async def main_async(base_url: str, model_name: str) -> dict:
@@ -69,7 +72,7 @@ async def main_async(base_url: str, model_name: str) -> dict:
         ("chat_completions", OpenAIChatCompletionsModel),
     ):
         model = kind(model=model_name, openai_client=client)
-        runs = [await run_loop(model, city) for city in cities]
+        runs = [await scored_loop(model, city) for city in cities]
         for run in runs:
             print(name, json.dumps(run))
         report[name] = {"completed": sum(run["ok"] for run in runs), "of": len(runs)}

@@ -51,7 +51,8 @@ NUM_REQUESTS = 160
 SEED = 20261127
 MODEL_NAME = "octavo-tiny-chat"
 BASE_URL = "http://snapshot.test"
-# ChatML: the default model has no chat template of its own.
+# ChatML without tools, the snapshot's own: its chat streams stay those of this template,
+# whatever template the checkpoint carries.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

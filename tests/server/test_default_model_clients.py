@@ -14,13 +14,13 @@ import pytest
 
 from octavo.server.server_args import DEFAULT_MODEL_NAME
 from tests.server.conftest import LiveServer, live_server
+from tools.check_agent_loop import FORECAST, run_loop
 
 pytestmark = pytest.mark.slow  # a live server
 
 # The first held-out city: never in a training conversation (tools/chat_corpus.py). The rate
 # over all of them is tools/check_agent_loop.py's figure (server/default_model/README.md).
 CITY = "Berlin"
-FORECAST = "sunny, 18 C"
 
 
 @pytest.fixture(scope="module")
@@ -127,34 +127,12 @@ def test_litellm_completion(base_url, monkeypatch):
 def test_an_agents_sdk_run_calls_the_tool_and_answers_with_its_result(base_url, api):
     """Runner.run with one function tool, temperature 0 and the SDK's other defaults:
     the model calls the tool, reads its result and answers, within 3 turns."""
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel, set_tracing_disabled
 
     set_tracing_disabled(True)  # traces would be exported to OpenAI's servers
-    calls: list[str] = []
-
-    @function_tool(name_override="get_weather")
-    def weather(city: str) -> str:
-        """Returns the weather in a city."""
-        calls.append(city)
-        return get_weather(city)
-
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     kind = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
-    agent = Agent(
-        name="Weather",
-        instructions="Use the tools to answer the user's questions.",
-        tools=[weather],
-        model=kind(model=DEFAULT_MODEL_NAME, openai_client=client),
-        model_settings=ModelSettings(temperature=0),
-    )
-    result = asyncio.run(Runner.run(agent, f"What is the weather in {CITY}?", max_turns=3))
+    model = kind(model=DEFAULT_MODEL_NAME, openai_client=client)
+    calls, output = asyncio.run(run_loop(model, CITY))
     assert calls == [CITY]
-    assert FORECAST in result.final_output
+    assert FORECAST in output
