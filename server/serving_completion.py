@@ -24,14 +24,13 @@ from octavo.server.stream_chunks import CompletionChunk, CompletionChunkChoice
 
 @dataclass
 class Delta:
-    """What one event adds to a choice (the engine's delta output, placed in the choice)."""
+    """What one event adds to a choice (the engine's delta output, as the client gets it)."""
 
     text: str
     token_ids: list[int]
     # Per token {token_id: logprob}, the token first; None for a token without any (the
     # first of an echoed prompt). None as a whole when logprobs were not asked for.
     logprobs: list[dict[int, float] | None] | None
-    text_offset: int  # where the first token's text starts in the choice's logprobs text
 
 
 class CompletionStream(ChunkStream["CompletionServing", CompletionRequest, CompletionChunk]):
@@ -49,7 +48,6 @@ class CompletionStream(ChunkStream["CompletionServing", CompletionRequest, Compl
         choice.tokens += len(delta.token_ids)
         if request.echo and not choice.started:
             delta = serving._with_prompt(output, delta)
-        delta.text_offset = choice.text_offset
         chunk_choice = CompletionChunkChoice(
             index=choice.index,
             text=delta.text,
@@ -57,7 +55,7 @@ class CompletionStream(ChunkStream["CompletionServing", CompletionRequest, Compl
             stop_reason=completion.stop_reason,
         )
         if request.logprobs is not None:
-            logprobs = chunk_choice.logprobs = serving._logprobs(delta)
+            logprobs = chunk_choice.logprobs = serving._logprobs(delta, choice.text_offset)
             if logprobs.tokens:
                 choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if not choice.started:
@@ -118,8 +116,8 @@ class CompletionServing(EngineServing[CompletionRequest]):
                     logprobs=self._logprobs(delta) if request.logprobs is not None else None,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    prompt_logprobs=self.vllm_prompt_logprobs(final, request),
                 )
-                choice.prompt_logprobs = self.vllm_prompt_logprobs(final, request)
                 choices.append(choice)
         cached_tokens = sum(final.num_cached_tokens or 0 for final in finals)
         return CompletionResponse(
@@ -135,10 +133,10 @@ class CompletionServing(EngineServing[CompletionRequest]):
         """What of a completion (output) the client gets: all of it, or nothing when
         max_tokens is 0 (an echoed prompt scored, its computed token dropped)."""
         if request.max_tokens == 0:
-            return Delta("", [], [] if request.logprobs is not None else None, 0)
+            return Delta("", [], [] if request.logprobs is not None else None)
         logprobs = completion.logprobs
         return Delta(
-            completion.text, completion.token_ids, None if logprobs is None else [*logprobs], 0
+            completion.text, completion.token_ids, None if logprobs is None else [*logprobs]
         )
 
     def _with_prompt(self, output: RequestOutput, delta: Delta) -> Delta:
@@ -152,7 +150,6 @@ class CompletionServing(EngineServing[CompletionRequest]):
             self._prompt_text(output) + delta.text,
             [*output.prompt_token_ids, *delta.token_ids],
             logprobs,
-            delta.text_offset,
         )
 
     def _prompt_text(self, output: RequestOutput) -> str:
@@ -160,11 +157,11 @@ class CompletionServing(EngineServing[CompletionRequest]):
             return output.prompt
         return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
 
-    def _logprobs(self, delta: Delta) -> Logprobs:
+    def _logprobs(self, delta: Delta, offset: int = 0) -> Logprobs:
         """OpenAI's per-token lists; a token's text_offset is where its text starts when the
-        choice's token texts are laid end to end, from `delta.text_offset`."""
+        choice's token texts are laid end to end, from `offset` (where the delta's first
+        token's text starts in the choice's)."""
         result = Logprobs()
-        offset = delta.text_offset
         for i, token in enumerate(delta.token_ids):
             entry = delta.logprobs[i] if delta.logprobs is not None else {}
             text = self.token_text(token)

@@ -5,7 +5,6 @@ merged output streams and the error contract."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -35,7 +34,7 @@ from octavo.engine.structured_outputs import compile_grammar
 from octavo.server.errors import APIError, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
-from octavo.server.streaming import EventEncoder, EventStreamResponse
+from octavo.server.streaming import EventEncoder, EventStreamResponse, until_disconnect
 
 if TYPE_CHECKING:
     from octavo.engine.lora_request import LoRARequest
@@ -108,6 +107,14 @@ class ServerConfig:
     # prometheus-client's multiprocess folder when several API processes share /metrics.
     metrics_dir: str | None = None
 
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 if neither."""
+        if self.lora is not None:
+            return self.lora.resolve(model)
+        if model != self.served_model_name:
+            raise model_not_found(model)
+        return None
+
 
 class EngineServing(ABC, Generic[RequestT]):
     """A generating route around the AsyncEngine, one request at a time (`serve`): check it
@@ -137,8 +144,12 @@ class EngineServing(ABC, Generic[RequestT]):
         gets its requests aborted, as a stream's would be."""
         prompts = await self.preprocess(request)
         generation = Generation(request, self.request_id(), int(time.time()), prompts)
-        user = self.user(request, raw_request)
-        outputs = self.merge(self.submit(generation.request_id, prompts, request, user))
+        # Whom it is served for (the fair policy's user): its API key's user where the server
+        # has keys, else the request's `user` field ("": anonymous).
+        user = (
+            raw_request.state.api_user if self.config.api_keys is not None else request.user or ""
+        )
+        outputs = self.merge(self.submit(generation, user))
         if request.stream:
             return EventStreamResponse(self.stream_type(self, generation).events(outputs))
         return await json_unless_disconnected(raw_request, self._respond(generation, outputs))
@@ -167,17 +178,9 @@ class EngineServing(ABC, Generic[RequestT]):
 
     # -- validation --------------------------------------------------------------------------
 
-    def lora_request(self, model: str) -> LoRARequest | None:
-        """The adapter a request's `model` names (None: the base model); 404 if neither."""
-        if self.config.lora is not None:
-            return self.config.lora.resolve(model)
-        if model != self.config.served_model_name:
-            raise model_not_found(model)
-        return None
-
     def check_request(self, request: GenerationRequest, num_prompts: int) -> None:
         """The checks that need the server's settings, for a request of `num_prompts`."""
-        self.lora_request(request.model)  # 404 for a model this server does not serve
+        self.config.lora_request(request.model)  # 404 for a model this server does not serve
         max_n = self.config.max_n
         for param, value in (("n", request.n), ("best_of", request.best_of)):
             if max_n is not None and value is not None and value > max_n:
@@ -232,14 +235,10 @@ class EngineServing(ABC, Generic[RequestT]):
         invalid constraint is left to `process`, which names the field too."""
         try:
             constraint = request.structured_outputs_params()
-        except ParameterError:
-            return
-        if constraint is None:
-            return
-        try:
-            await asyncio.wait_for(
-                asyncio.to_thread(compile_grammar, constraint), GRAMMAR_COMPILE_TIMEOUT_S
-            )
+            if constraint is not None:
+                await asyncio.wait_for(
+                    asyncio.to_thread(compile_grammar, constraint), GRAMMAR_COMPILE_TIMEOUT_S
+                )
         except ParameterError:
             return
         except TimeoutError:
@@ -329,39 +328,31 @@ class EngineServing(ABC, Generic[RequestT]):
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def user(self, request: RouteRequest, raw_request: Request) -> str:
-        """Whom a request is served for (the fair policy's user): its API key's user where
-        the server has keys, else the request's `user` field ("": anonymous)."""
-        if self.config.api_keys is not None:
-            return raw_request.state.api_user
-        return request.user or ""
-
     def submit(
-        self, request_id: str, prompts: list[PromptAndParams], request: RouteRequest, user: str
-    ) -> list[AsyncIterator]:
-        """Queues one engine request per prompt (`{request_id}-{i}`), under the LoRA
-        adapter the request's `model` names (the base's name: the base), with its priority
-        and `user` (what the scheduling policy orders it by); their output streams. A
-        priority the engine refuses is a 400, a user with a full share of the queue a 429,
+        self, generation: Generation[RequestT], user: str
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Queues one engine request per prompt of `generation` (`{request_id}-{i}`), under
+        the LoRA adapter the request's `model` names (the base's name: the base), with its
+        priority and `user` (what the scheduling policy orders it by); their output streams.
+        A priority the engine refuses is a 400, a user with a full share of the queue a 429,
         a full queue or a stopped engine a 503, and each leaves nothing queued."""
+        request, request_id = generation.request, generation.request_id
         arrival = time.monotonic()
-        lora_request = self.lora_request(request.model)
+        lora_request = self.config.lora_request(request.model)
         priority = request.priority or 0
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
-            for i, (prompt, params) in enumerate(prompts):
+            for i, (prompt, params) in enumerate(generation.prompts):
                 streams.append(
                     self.engine.add_request(
                         f"{request_id}-{i}", prompt, params, arrival, lora_request, priority, user
                     )
                 )
-        except ParameterError as exc:
+        except (ParameterError, UserQueueFullError, QueueFullError, EngineStoppedError) as exc:
             for i in range(len(streams)):
                 self.engine.discard(f"{request_id}-{i}")
-            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
-        except (UserQueueFullError, QueueFullError, EngineStoppedError) as exc:
-            for i in range(len(streams)):
-                self.engine.discard(f"{request_id}-{i}")
+            if isinstance(exc, ParameterError):
+                raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
             raise APIError(
                 HTTPStatus.TOO_MANY_REQUESTS
                 if isinstance(exc, UserQueueFullError)
@@ -374,9 +365,9 @@ class EngineServing(ABC, Generic[RequestT]):
     # -- outputs -----------------------------------------------------------------------------
 
     async def merge(self, streams: list[AsyncIterator[RequestOutput]]) -> Outputs:
-        """Interleaves several output streams as outputs arrive, observing each one's
-        inter-token latency; closing this generator (a client that went away) cancels them
-        all, which aborts their requests."""
+        """Interleaves several output streams as outputs arrive (a task reads each one into
+        one queue), observing each one's inter-token latency; closing this generator (a
+        client that went away) cancels them all, which aborts their requests."""
         observe = self.metrics.itl.observe
         if len(streams) == 1:  # the common case, without a task per stream
             last = None
@@ -387,9 +378,37 @@ class EngineServing(ABC, Generic[RequestT]):
                 last = now
                 yield 0, output
             return
-        async with contextlib.aclosing(_interleaved(streams, observe)) as outputs:
-            async for item in outputs:
-                yield item
+        arrived: dict[int, float] = {}  # when each stream's last output came
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    now = time.monotonic()
+                    if index in arrived:
+                        observe(now - arrived[index])
+                    arrived[index] = now
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def vllm_prompt_logprobs(
         self, output: RequestOutput, request: GenerationRequest
@@ -424,43 +443,6 @@ class EngineServing(ABC, Generic[RequestT]):
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-async def _interleaved(
-    streams: list[AsyncIterator[RequestOutput]], observe: Callable[[float], None]
-) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """`EngineServing.merge` of several streams: a task reads each one into one queue."""
-    last: dict[int, float] = {}
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                now = time.monotonic()
-                if index in last:
-                    observe(now - last[index])
-                last[index] = now
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_beam_search(request: GenerationRequest) -> None:
@@ -527,8 +509,7 @@ async def json_unless_disconnected(raw_request: Request, work: Awaitable[BaseMod
 
     async def listen() -> None:
         nonlocal disconnected
-        while (await raw_request.receive())["type"] != "http.disconnect":
-            pass
+        await until_disconnect(raw_request.receive)
         disconnected = True
         task.cancel()
 

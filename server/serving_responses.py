@@ -211,10 +211,10 @@ class OutputItems:
     one begins, or at `close` (with the response's status). Within one delta, content comes
     before calls, so a non-streamed response (one delta) has its text first.
 
-    `emit`, when given, hears the stream events of each step, with the items as they stand
-    (it must encode them at once: they grow)."""
+    `emit` hears the stream events of each step, with the items as they stand (it must
+    encode them at once: they grow); by default nobody does (a non-streamed response)."""
 
-    def __init__(self, emit: Emit | None = None):
+    def __init__(self, emit: Emit = lambda type_, fields: None):
         self.items: list[OutputMessage | FunctionToolCall] = []
         self._emit = emit
         self._open: OutputMessage | FunctionToolCall | None = None  # the last, while it grows
@@ -241,48 +241,38 @@ class OutputItems:
 
     def close(self, status: ItemStatus) -> None:
         """Ends the last item with `status` ("incomplete": the output was cut short)."""
-        self._end(status)
-
-    def _begin(self, item: OutputMessage | FunctionToolCall) -> None:
-        self._end("completed")
-        self._open = item
-        self.items.append(item)
-        if self._emit is not None:
-            self._emit(
-                "response.output_item.added", {"output_index": len(self.items) - 1, "item": item}
-            )
-            if isinstance(item, OutputMessage):
-                self._send("response.content_part.added", content_index=0, part=OutputText(text=""))
-
-    def _end(self, status: ItemStatus) -> None:
         item = self._open
         if item is None:
             return
         self._open = None
         text = "".join(self._pieces)
         self._pieces = []
+        item.status = status
         if isinstance(item, OutputMessage):
             item.content = [OutputText(text=text)]
-        else:
-            item.arguments = text
-        item.status = status
-        if self._emit is None:
-            return
-        if isinstance(item, OutputMessage):
             self._send("response.output_text.done", content_index=0, text=text, logprobs=[],
                        item=item)  # fmt: skip
             self._send("response.content_part.done", content_index=0, part=item.content[0],
                        item=item)  # fmt: skip
         else:
+            item.arguments = text
             self._send("response.function_call_arguments.done", name=item.name,
                        arguments=text, item=item)  # fmt: skip
         self._emit("response.output_item.done", {"output_index": len(self.items) - 1, "item": item})
 
+    def _begin(self, item: OutputMessage | FunctionToolCall) -> None:
+        self.close("completed")
+        self._open = item
+        self.items.append(item)
+        self._emit(
+            "response.output_item.added", {"output_index": len(self.items) - 1, "item": item}
+        )
+        if isinstance(item, OutputMessage):
+            self._send("response.content_part.added", content_index=0, part=OutputText(text=""))
+
     def _send(self, type_: str, item: OutputMessage | FunctionToolCall | None = None,
               **fields: Any) -> None:  # fmt: skip
         """An event about the open item (or `item`, as it ends): its id and index first."""
-        if self._emit is None:
-            return
         item = item if item is not None else self._open
         assert item is not None
         self._emit(type_, {"item_id": item.id, "output_index": len(self.items) - 1, **fields})

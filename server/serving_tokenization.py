@@ -7,7 +7,7 @@ from http import HTTPStatus
 
 from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.engine.frontend.tokenizer import Tokenizer
-from octavo.server.errors import APIError, model_not_found
+from octavo.server.errors import APIError
 from octavo.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -78,11 +78,8 @@ class TokenizationServing:
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     def _tokenizer(self, model: str | None, param: str) -> Tokenizer:
-        if model is not None and model != self.config.served_model_name:
-            lora = self.config.lora
-            if lora is None:
-                raise model_not_found(model)
-            lora.resolve(model)  # an adapter shares the base's tokenizer; 404 if unknown
+        if model is not None:  # an adapter shares the base's tokenizer; 404 if unknown
+            self.config.lora_request(model)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(

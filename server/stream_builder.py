@@ -16,7 +16,7 @@ from octavo.server.protocol import GenerationRequest, StreamOptions, Usage
 from octavo.server.serving_engine import (
     EngineServing,
     Generation,
-    RouteRequest,
+    RequestT,
     engine_error,
     usage,
 )
@@ -24,7 +24,6 @@ from octavo.server.stream_chunks import ChatCompletionChunk, CompletionChunk
 from octavo.server.streaming import SSE_DONE
 
 ServingT = TypeVar("ServingT", bound=EngineServing)
-RequestT = TypeVar("RequestT", bound=RouteRequest)
 GenerationRequestT = TypeVar("GenerationRequestT", bound=GenerationRequest)
 ChunkT = TypeVar("ChunkT", CompletionChunk, ChatCompletionChunk)
 

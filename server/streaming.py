@@ -58,7 +58,7 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = asyncio.create_task(self._write(send))
-        listener = asyncio.create_task(_disconnect(receive))
+        listener = asyncio.create_task(until_disconnect(receive))
         try:
             await asyncio.wait((writer, listener), return_when=asyncio.FIRST_COMPLETED)
             if not writer.done():  # the client left
@@ -78,7 +78,7 @@ class EventStreamResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _disconnect(receive: Receive) -> None:
+async def until_disconnect(receive: Receive) -> None:
     """Returns when the client disconnects (the request's body has been read already)."""
     while (await receive())["type"] != "http.disconnect":
         pass
