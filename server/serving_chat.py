@@ -33,15 +33,6 @@ from octavo.server.tool_calls import ToolCallParser, make_parser
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
-def no_chat_template(route: str) -> APIError:
-    """The 400 of a route that needs a chat template on a server without one."""
-    return APIError(
-        HTTPStatus.BAD_REQUEST,
-        f"this model has no chat template, so it cannot serve {route}: start the server with "
-        "--chat-template FILE_OR_STRING (a Jinja chat template), or use /v1/completions",
-    )
-
-
 class ChatStream(ChunkStream["ChatServing", ChatCompletionRequest, ChatCompletionChunk]):
     """A chat stream, as OpenAI's: each choice's first chunk carries the role, then one chunk
     per delta output of a choice, the last with its finish_reason. The prompt's logprobs,
@@ -54,7 +45,8 @@ class ChatStream(ChunkStream["ChatServing", ChatCompletionRequest, ChatCompletio
     def __init__(self, *args: Any):
         super().__init__(*args)
         self._prompt_scored = False  # whether the prompt's logprobs are out
-        self._parsers: dict[int, ToolCallParser] = {}  # per choice, from its first output
+        # Each choice's tool-call parser (read only with tools).
+        self._parsers = [self.serving.tool_parser(self.request) for _ in range(self.n)]
         self._called: set[int] = set()  # the choices that called a tool
 
     def opening(self) -> bytes:
@@ -88,9 +80,7 @@ class ChatStream(ChunkStream["ChatServing", ChatCompletionRequest, ChatCompletio
 
     def _tool_delta(self, completion: CompletionOutput, index: int) -> tuple[ChatDelta, str | None]:
         """The delta and finish_reason of a choice's output read by its tool-call parser."""
-        parser = self._parsers.get(index)
-        if parser is None:
-            parser = self._parsers[index] = self.serving.tool_parser(self.request)
+        parser = self._parsers[index]
         parts = [parser.feed(completion.text)]
         if completion.finish_reason is not None:
             parts.append(parser.finish())
@@ -114,10 +104,18 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
     ) -> Response:
         return await self.serve(request, raw_request)
 
-    async def preprocess(self, request: ChatCompletionRequest) -> list[PromptAndParams]:
+    async def preprocess(
+        self, request: ChatCompletionRequest, route: str = "chat requests"
+    ) -> list[PromptAndParams]:
+        """`route` names what a server without a chat template refuses (a 400)."""
         template = self.config.chat_template
         if template is None:
-            raise no_chat_template("chat requests")
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"this model has no chat template, so it cannot serve {route}: start the server "
+                "with --chat-template FILE_OR_STRING (a Jinja chat template), or use "
+                "/v1/completions",
+            )
         self.check_request(request, num_prompts=1)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(

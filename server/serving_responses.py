@@ -31,7 +31,7 @@ from octavo.server.responses_protocol import (
     responses_message,
     responses_param,
 )
-from octavo.server.serving_chat import ChatServing, no_chat_template
+from octavo.server.serving_chat import ChatServing
 from octavo.server.serving_engine import (
     EngineServing,
     Generation,
@@ -138,9 +138,7 @@ class ResponsesServing(EngineServing[ResponsesRequest]):
             raise in_responses_terms(exc) from exc
 
     async def preprocess(self, request: ResponsesRequest) -> list[PromptAndParams]:
-        if self.config.chat_template is None:
-            raise no_chat_template("/v1/responses")
-        return await self.chat.preprocess(request.chat_request())
+        return await self.chat.preprocess(request.chat_request(), "/v1/responses")
 
     def response(
         self, generation: Generation[ResponsesRequest], finals: list[RequestOutput]
