@@ -20,6 +20,7 @@ from octavo.server.protocol import (
     LogprobsCount,
     PositiveInt,
     PromptLogprob,
+    RequestModel,
     Usage,
     check_unicode,
 )
@@ -45,21 +46,19 @@ UNSUPPORTED_CHAT_FIELDS = (
 )  # fmt: skip
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """One message of a conversation. Content is a string, text parts (joined with newlines
     for the template, as vLLM's "string" content format), or null (an assistant turn with
     tool calls). An assistant's `tool_calls` are OpenAI's: a list of function calls, each
     with its arguments as JSON text. Other fields (`name`, `tool_call_id`, ...) reach the
     template as sent."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")
 
     role: Annotated[str, Field(min_length=1)]
     content: str | list[TextContentPart] | None = None

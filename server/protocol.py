@@ -101,10 +101,17 @@ def valid_unicode(*fields: str) -> Any:
     return field_validator(*fields)(check)
 
 
-class JsonSchemaFormat(BaseModel):
+class RequestModel(BaseModel):
+    """A JSON object a request carries, validated strictly: no bool where a number is
+    expected or string where a bool is, finite floats only; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class JsonSchemaFormat(RequestModel):
     """OpenAI's response_format.json_schema: the schema the output must validate against."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -115,11 +122,9 @@ class JsonSchemaFormat(BaseModel):
     _valid_unicode = valid_unicode("schema_", "name", "description")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's response_format: plain text (the default), any JSON object, or JSON that
     validates against `json_schema.schema`."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -133,11 +138,11 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(RequestModel):
     """vLLM's structured_outputs object: exactly one constraint (engine's
     StructuredOutputsParams)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -152,22 +157,19 @@ class StructuredOutputsRequest(BaseModel):
         return value
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class StreamOptions(RequestModel):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
     continuous_usage_stats: bool = False
 
 
-class GenerationRequest(BaseModel, ABC):
+class GenerationRequest(RequestModel, ABC):
     """What a completion and a chat completion request share: the model, sampling, stops and
-    vLLM's extras, validated strictly at the edge: no bool where a number is expected or
-    string where a bool is, finite floats only, valid Unicode, bounded lists. An explicit JSON
-    null means the field's default. Fields that Octavo does not implement are refused by name
-    (`UNSUPPORTED`); other unknown fields are ignored with a warning, as vLLM does."""
+    vLLM's extras, validated strictly at the edge (`RequestModel`), valid Unicode, bounded
+    lists. An explicit JSON null means the field's default. Fields that Octavo does not
+    implement are refused by name (`UNSUPPORTED`); other unknown fields are ignored with a
+    warning, as vLLM does."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     UNSUPPORTED: ClassVar[tuple[str, ...]] = UNSUPPORTED_VLLM_FIELDS
 
     model: str
@@ -470,19 +472,15 @@ class ModelCard(BaseModel):
     permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestModel):
     """POST /v1/load_lora_adapter (vLLM's): serve the adapter at `lora_path` as `lora_name`."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     lora_name: Annotated[str, Field(min_length=1, max_length=256)]
     lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     """POST /v1/unload_lora_adapter (vLLM's): stop serving `lora_name`."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -503,11 +501,9 @@ def _null_means_default(request_class: type[BaseModel]) -> frozenset[str]:
     )
 
 
-class _TokenizationRequest(BaseModel):
+class _TokenizationRequest(RequestModel):
     """What /tokenize and /detokenize share: strict types, an optional model name, and
     every string valid Unicode."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
 

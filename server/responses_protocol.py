@@ -40,6 +40,7 @@ from octavo.server.chat_protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest
 from octavo.server.protocol import (
     PositiveInt,
     Priority,
+    RequestModel,
     Seed,
     StructuredOutputsRequest,
     TopK,
@@ -91,11 +92,9 @@ def responses_message(message: str) -> str:
 # -- input items ------------------------------------------------------------------------------
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     """A text content part: input_text (a user's, a tool's), or output_text (an assistant
     message sent back from a previous response; its annotations are not read)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["input_text", "output_text"]
     text: str
@@ -120,12 +119,10 @@ def _chat_content(content: str | list[TextPart]) -> str | list[dict[str, str]]:
     return [{"type": "text", "text": part.text} for part in content]
 
 
-class MessageItem(BaseModel):
+class MessageItem(RequestModel):
     """A message of the conversation (`type` may be left out). An assistant message whose
     status is in_progress or incomplete, last in the input, is continued (as vLLM does)
     rather than answered."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -142,12 +139,10 @@ class MessageItem(BaseModel):
         return self.role == "assistant" and self.status in ("in_progress", "incomplete")
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(RequestModel):
     """A call the model made (sent back from a previous response): a tool call of an
     assistant turn, which it joins when it follows an assistant message or call, as a
     model's parallel calls are one turn."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["function_call"]
     call_id: str
@@ -166,10 +161,8 @@ class FunctionCallItem(BaseModel):
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(RequestModel):
     """What a call returned: the tool's message, answering `call_id`."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["function_call_output"]
     call_id: str
@@ -218,9 +211,7 @@ class FunctionTool(FunctionDefinition):
         }
 
 
-class FunctionToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class FunctionToolChoice(RequestModel):
     type: Literal["function"]
     name: str
 
@@ -228,10 +219,10 @@ class FunctionToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | FunctionToolChoice
 
 
-class TextFormat(BaseModel):
+class TextFormat(RequestModel):
     """text.format: plain text, any JSON object, or JSON valid against `schema`."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -253,23 +244,20 @@ class TextFormat(BaseModel):
         return {"type": "json_schema", "json_schema": spec}
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
 # -- the request ------------------------------------------------------------------------------
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestModel):
     """POST /v1/responses: a conversation (`instructions`, `input`) completed as the
     equivalent chat request (`chat_request`) completes it. Validated strictly, as a chat
     request: a field this server cannot honour is refused by name (`UNSUPPORTED`), truncation
     other than "disabled" too; other unknown fields are ignored with a warning; null means
     the default."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     UNSUPPORTED: ClassVar[tuple[str, ...]] = UNSUPPORTED_RESPONSES_FIELDS
 
     model: str

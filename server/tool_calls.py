@@ -25,7 +25,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from octavo.server.protocol import RequestModel
 
 # At most this many tools a request (their schemas are bounded by the body limit and the
 # constraint's compile limits).
@@ -33,31 +35,23 @@ MAX_TOOLS = 128
 TOOL_CALL_PARSERS = ("hermes",)
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class FunctionDefinition(RequestModel):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
     strict: bool | None = None  # arguments always follow the schema when forced
 
 
-class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ChatTool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class FunctionName(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: FunctionName
 
