@@ -23,6 +23,7 @@ from octavo.server.protocol import (
     RequestModel,
     Usage,
     check_unicode,
+    valid_unicode,
 )
 from octavo.server.tool_calls import (
     MAX_TOOLS,
@@ -78,7 +79,7 @@ class ChatMessage(RequestModel):
 
     @model_validator(mode="after")
     def _valid_unicode(self) -> ChatMessage:
-        check_unicode(self.model_dump(), "messages")
+        check_unicode(self, "messages")
         return self
 
     def text(self) -> str | None:
@@ -130,11 +131,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    @field_validator("chat_template_kwargs", "tools")
-    @classmethod
-    def _kwargs_unicode(cls, value, info):
-        check_unicode(jsonable_tools(value), info.field_name)
-        return value
+    _kwargs_unicode = valid_unicode("chat_template_kwargs", "tools")
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -206,13 +203,6 @@ class ChatCompletionRequest(GenerationRequest):
         if param.startswith("structured_outputs") and "tools" in self.constraint_fields:
             return "tools"  # a forced call's constraint is the tools' schemas
         return super().client_param(param)
-
-
-def jsonable_tools(value: Any) -> Any:
-    """A field's value as plain data (tools are models) for the Unicode check."""
-    if isinstance(value, list):
-        return [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
-    return value
 
 
 def chat_completion_id() -> str:

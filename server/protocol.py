@@ -75,7 +75,7 @@ TokenId = NonNegativeInt
 
 def check_unicode(value: Any, field: str) -> None:
     """Every string a request carries must be encodable (no lone surrogates such as
-    "\\ud800", which JSON can express and UTF-8 cannot)."""
+    "\\ud800", which JSON can express and UTF-8 cannot), in plain data or in models."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -88,6 +88,8 @@ def check_unicode(value: Any, field: str) -> None:
         for key, item in value.items():
             check_unicode(key, field)
             check_unicode(item, field)
+    elif isinstance(value, BaseModel):
+        check_unicode(value.model_dump(), field)
 
 
 def valid_unicode(*fields: str) -> Any:
@@ -289,12 +291,11 @@ class GenerationRequest(RequestModel, ABC):
     def _stop_bounded(cls, value):
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        check_unicode(value, "stop")
         return value
 
     _valid_unicode = valid_unicode(
         "model", "user", "logit_bias", "bad_words", "guided_json", "guided_regex",
-        "guided_choice", "guided_grammar",
+        "guided_choice", "guided_grammar", "stop",
     )  # fmt: skip
 
     # -- what the engine is asked for (the two APIs name some of these differently) ---------
@@ -340,8 +341,6 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     suffix: str | None = None
 
-    _suffix_unicode = valid_unicode("suffix")
-
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, value):
@@ -351,8 +350,9 @@ class CompletionRequest(GenerationRequest):
         many = isinstance(value, list) and len(value) > MAX_PROMPTS_PER_REQUEST
         if many and not isinstance(value[0], int):
             raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
-        check_unicode(value, "prompt")
         return value
+
+    _prompt_unicode = valid_unicode("prompt", "suffix")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts."""
