@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from octavo.engine.errors import ParameterError
@@ -23,6 +23,7 @@ from octavo.server.protocol import (
     RequestModel,
     Usage,
     check_unicode,
+    types_only,
     valid_unicode,
 )
 from octavo.server.tool_calls import (
@@ -65,17 +66,7 @@ class ChatMessage(RequestModel):
     content: str | list[TextContentPart] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(
-                        f"content part type {kind!r} is not supported: this model reads text"
-                    )
-        return value
+    _text_parts_only = types_only("content", ("text",), "content part", "this model reads text")
 
     @model_validator(mode="after")
     def _valid_unicode(self) -> ChatMessage:

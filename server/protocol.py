@@ -103,6 +103,20 @@ def valid_unicode(*fields: str) -> Any:
     return field_validator(*fields)(check)
 
 
+def types_only(field: str, allowed: tuple[str, ...], item: str, why: str) -> Any:
+    """A before validator (`_name = types_only(...)` in a model): every object of the list
+    `field` is of a `type` in `allowed`, else "{item} type ... is not supported: {why}"."""
+
+    def check(cls, value):
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in allowed:
+                raise ValueError(f"{item} type {kind!r} is not supported: {why}")
+        return value
+
+    return field_validator(field, mode="before")(check)
+
+
 class RequestModel(BaseModel):
     """A JSON object a request carries, validated strictly: no bool where a number is
     expected or string where a bool is, finite floats only; unknown fields are ignored."""

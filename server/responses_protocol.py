@@ -44,6 +44,7 @@ from octavo.server.protocol import (
     Seed,
     StructuredOutputsRequest,
     TopK,
+    types_only,
     valid_unicode,
 )
 from octavo.server.tool_calls import MAX_TOOLS, FunctionDefinition
@@ -100,16 +101,10 @@ class TextPart(RequestModel):
     text: str
 
 
-def _text_parts_only(value: Any) -> Any:
-    if isinstance(value, list):
-        for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text"):
-                raise ValueError(
-                    f"content part type {kind!r} is not supported: this model reads text "
-                    "(input_text, output_text)"
-                )
-    return value
+def _text_parts_only(field: str) -> Any:
+    """A before validator: the content parts of `field` are text parts (TextPart)."""
+    why = "this model reads text (input_text, output_text)"
+    return types_only(field, ("input_text", "output_text"), "content part", why)
 
 
 def _chat_content(content: str | list[TextPart]) -> str | list[dict[str, str]]:
@@ -129,7 +124,7 @@ class MessageItem(RequestModel):
     content: str | list[TextPart]
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
-    text_parts_only = field_validator("content", mode="before")(_text_parts_only)
+    _parts_are_text = _text_parts_only("content")
 
     def add_to(self, messages: list[dict[str, Any]]) -> None:
         messages.append({"role": self.role, "content": _chat_content(self.content)})
@@ -168,7 +163,7 @@ class FunctionCallOutputItem(RequestModel):
     call_id: str
     output: str | list[TextPart]
 
-    text_parts_only = field_validator("output", mode="before")(_text_parts_only)
+    _parts_are_text = _text_parts_only("output")
 
     def add_to(self, messages: list[dict[str, Any]]) -> None:
         messages.append(
@@ -324,17 +319,12 @@ class ResponsesRequest(RequestModel):
             logger.warning("ignoring unknown ResponsesRequest fields: %s", unknown[:8])
         return data
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _function_tools_only(cls, value: Any) -> Any:
-        for tool in value if isinstance(value, list) else ():
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ValueError(
-                    f"tool type {kind!r} is not supported: this server calls function tools "
-                    "only (hosted tools run at OpenAI)"
-                )
-        return value
+    _function_tools_only = types_only(
+        "tools",
+        ("function",),
+        "tool",
+        "this server calls function tools only (hosted tools run at OpenAI)",
+    )
 
     _valid_unicode = valid_unicode("instructions", "metadata")
 
