@@ -371,31 +371,18 @@ class ResponsesRequest(RequestModel):
                 item.add_to(messages)
             last = self.input[-1] if self.input else None
             continued = isinstance(last, MessageItem) and last.continued
-        given = {
+        # A field the chat request has too means the same there (tools and tool_choice differ
+        # in shape).
+        same = ChatCompletionRequest.model_fields.keys() - {"tools", "tool_choice"}
+        body = self.model_dump(include=same, by_alias=True, exclude_none=True)
+        translated = {
+            "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stream": self.stream,
             "tools": None if self.tools is None else [tool.chat_tool() for tool in self.tools],
             "tool_choice": self._chat_tool_choice(),
-            "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self._response_format(),
-            "user": self.user,
-            "priority": self.priority,
-            "seed": self.seed,
-            "top_k": self.top_k,
-            "stop": self.stop,
-            "repetition_penalty": self.repetition_penalty,
-            "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "logit_bias": self.logit_bias,
-            "structured_outputs": None
-            if self.structured_outputs is None
-            else self.structured_outputs.model_dump(by_alias=True, exclude_none=True),
         }
-        body: dict[str, Any] = {"model": self.model, "messages": messages}
-        body |= {key: value for key, value in given.items() if value is not None}
+        body |= {key: value for key, value in translated.items() if value is not None}
         if continued:
             body |= {"add_generation_prompt": False, "continue_final_message": True}
         return body
