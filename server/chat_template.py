@@ -58,8 +58,7 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
         environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
-        environment.globals["strftime_now"] = _strftime_now
+        environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         self.source = source
         self.template = environment.from_string(source)  # TemplateSyntaxError: a bad template
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token}

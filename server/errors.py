@@ -10,11 +10,10 @@ from fastapi.responses import JSONResponse
 
 from octavo.server.protocol import ErrorBody, ErrorResponse
 
+# OpenAI's error type of a status; any other (400, 413, ...) is an invalid_request_error.
 _ERROR_TYPES = {
-    HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
-    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable_error",
     HTTPStatus.INTERNAL_SERVER_ERROR: "internal_error",

@@ -281,22 +281,15 @@ class GenerationRequest(RequestModel, ABC):
         if not given:
             return None
         field = given[0]
+        value = getattr(self, field)
         try:
             if field == "response_format":
-                assert self.response_format is not None
-                if self.response_format.type == "json_object":
+                if value.type == "json_object":
                     return StructuredOutputsParams(json_object=True)
-                assert self.response_format.json_schema is not None
-                return StructuredOutputsParams(json=self.response_format.json_schema.schema_)
-            if field == "structured_outputs":
-                assert self.structured_outputs is not None
-                spec = self.structured_outputs
-                return StructuredOutputsParams(
-                    json=spec.json_, regex=spec.regex, choice=spec.choice,
-                    grammar=spec.grammar, json_object=spec.json_object,
-                )  # fmt: skip
-            kind = field.removeprefix("guided_")
-            return StructuredOutputsParams(**{kind: getattr(self, field)})
+                return StructuredOutputsParams(json=value.json_schema.schema_)
+            if field == "structured_outputs":  # its fields, by alias, are the engine's
+                return StructuredOutputsParams(**value.model_dump(by_alias=True))
+            return StructuredOutputsParams(**{field.removeprefix("guided_"): value})
         except ParameterError as exc:
             raise ParameterError(self.client_param(exc.param), str(exc)) from exc
 
@@ -358,9 +351,8 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be an empty list")
-        # A list of token ids is one prompt, bounded by max_model_len; a list of prompts here.
+        # A list of token ids is one prompt, bounded by max_model_len; a list of prompts here
+        # (never empty: the annotation refuses empty lists).
         many = isinstance(value, list) and len(value) > MAX_PROMPTS_PER_REQUEST
         if many and not isinstance(value[0], int):
             raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")

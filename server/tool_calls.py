@@ -80,9 +80,7 @@ def function_parameters(function: FunctionDefinition) -> dict[str, Any]:
     schema does not say), as OpenAI's strict mode requires them. Left open, a grammar lets
     a model that is not trained on the tool add keys without end, the call never ending;
     a schema that wants more keys says so."""
-    if function.parameters is None:
-        return {"type": "object"}
-    return _closed(function.parameters)
+    return {"type": "object"} if function.parameters is None else _closed(function.parameters)
 
 
 # Keywords whose value is a schema, a list of schemas, or a mapping to schemas.
@@ -228,7 +226,6 @@ class RequiredCalls(ToolCallParser):
         self.depth = 0
         self.in_string = False
         self.escaped = False
-        self.key: str | None = None  # the object key whose value is being read
         self.token_start = 0  # where the current string started (its opening quote)
         self.expect_key = False
         self.last_key = ""
