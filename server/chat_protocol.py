@@ -177,9 +177,7 @@ class ChatCompletionRequest(GenerationRequest):
             raise ParameterError("tools", str(exc)) from exc
 
     def max_new_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
+        return self.max_completion_tokens or self.max_tokens  # both positive when set
 
     def sample_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

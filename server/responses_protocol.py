@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -249,11 +249,9 @@ class TextConfig(RequestModel):
 class ResponsesRequest(RequestModel):
     """POST /v1/responses: a conversation (`instructions`, `input`) completed as the
     equivalent chat request (`chat_request`) completes it. Validated strictly, as a chat
-    request: a field this server cannot honour is refused by name (`UNSUPPORTED`), truncation
-    other than "disabled" too; other unknown fields are ignored with a warning; null means
-    the default."""
-
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = UNSUPPORTED_RESPONSES_FIELDS
+    request: a field this server cannot honour is refused by name
+    (`UNSUPPORTED_RESPONSES_FIELDS`), truncation other than "disabled" too; other unknown
+    fields are ignored with a warning; null means the default."""
 
     model: str
     input: Annotated[
@@ -298,7 +296,7 @@ class ResponsesRequest(RequestModel):
     def _unsupported_and_unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name in cls.UNSUPPORTED:
+        for name in UNSUPPORTED_RESPONSES_FIELDS:
             if data.get(name) not in (None, False, [], {}):  # 0 == False: asks nothing too
                 raise PydanticCustomError(
                     "unsupported_field",

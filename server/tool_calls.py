@@ -369,10 +369,9 @@ class HermesCalls(ToolCallParser):
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
-        text = (
-            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        )
-        call = ToolCallDelta(self.calls, tool_call_id(), value["name"], text)
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call = ToolCallDelta(self.calls, tool_call_id(), value["name"], arguments)
         self.calls += 1
         return call
 
