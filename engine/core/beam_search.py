@@ -6,14 +6,10 @@ from collections.abc import Callable
 
 import torch
 
-from octavo.engine.core.beam_state import (
-    NEG_INF_SCORE,
-    BeamState,
-    Hypothesis,
-    length_normalizer,
-)
+from octavo.engine.core.beam_state import NEG_INF_SCORE, BeamState, length_normalizer
 from octavo.engine.core.block_manager import BlockManager
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from octavo.engine.core_messages import BeamResult
 from octavo.engine.step_io import BeamCandidates, BeamChoice
 
 
@@ -95,10 +91,9 @@ class BeamSearch:
 
     def forget(self, seq_id: int) -> bool:
         """Stops following a beam; whether the worker kept a grammar state of it."""
-        if seq_id not in self.constrained_beams:
-            return False
+        followed = seq_id in self.constrained_beams
         self.constrained_beams.discard(seq_id)
-        return True
+        return followed
 
     def step(self, group: SequenceGroup, candidates: BeamCandidates) -> None:
         """candidates: each live beam's best next tokens, at least `candidates_needed` of them
@@ -114,7 +109,7 @@ class BeamSearch:
         if state.params.beam_width == 1:
             best = int(logprobs[0].argmax())
             self._greedy_step(
-                group, beams[0], int(token_ids[0, best]), logprobs[0, best], generated
+                group, state, beams[0], int(token_ids[0, best]), logprobs[0, best], generated
             )
             return
         width = state.params.beam_width
@@ -133,6 +128,7 @@ class BeamSearch:
         state.running_scores = running[next_index]
         self._advance(
             group,
+            state,
             beams,
             [(parents[i], tokens[i], token_logprobs[i]) for i in next_index],
         )
@@ -142,13 +138,12 @@ class BeamSearch:
     def _greedy_step(
         self,
         group: SequenceGroup,
+        state: BeamState,
         beam: Sequence,
         token: int,
         logprob: torch.Tensor,
         generated: int,
     ) -> None:
-        state = group.beam
-        assert state is not None
         state.running_scores = state.running_scores + logprob
         beam.append_token(token, float(logprob))
         state.last_choices = [(beam.seq_id, beam.seq_id, token)]
@@ -158,7 +153,7 @@ class BeamSearch:
             score = float(
                 state.running_scores[0] / length_normalizer(length, state.params.length_penalty)
             )
-            state.slots[0] = Hypothesis(
+            state.slots[0] = BeamResult(
                 beam.output_token_ids,
                 float(state.running_scores[0]),
                 score,
@@ -199,7 +194,7 @@ class BeamSearch:
             parent = beams[parents[i]]
             stopped = tokens[i] in state.stop_token_ids
             new_slots.append(
-                Hypothesis(
+                BeamResult(
                     parent.output_token_ids + [tokens[i]],
                     float(top_scores[i]),
                     float(normalized[i]),
@@ -212,6 +207,7 @@ class BeamSearch:
     def _advance(
         self,
         group: SequenceGroup,
+        state: BeamState,
         beams: list[Sequence],
         chosen: list[tuple[int, int, torch.Tensor]],
     ) -> None:
@@ -228,14 +224,10 @@ class BeamSearch:
                 used.add(parent_index)
                 next_beams.append(parent)
         # Forks copied their parents' tokens above; now every beam gets its own new token.
-        for beam, (_, token, logprob) in zip(next_beams, chosen, strict=True):
+        state.last_choices = []
+        for beam, (parent_index, token, logprob) in zip(next_beams, chosen, strict=True):
             beam.append_token(token, float(logprob))
-        state = group.beam
-        assert state is not None
-        state.last_choices = [
-            (beam.seq_id, beams[parent_index].seq_id, token)
-            for beam, (parent_index, token, _) in zip(next_beams, chosen, strict=True)
-        ]
+            state.last_choices.append((beam.seq_id, beams[parent_index].seq_id, token))
         for index, beam in enumerate(beams):
             if index not in used:  # pruned: nobody continues it
                 beam.status = SequenceStatus.FINISHED_STOPPED

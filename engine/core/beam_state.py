@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from octavo.engine.core_messages import BeamResult
 from octavo.engine.sampling_params import BeamSearchParams
 
 # Hugging Face marks impossible candidates and empty hypothesis slots with this score; using
@@ -33,16 +34,6 @@ def normalized_score(cumulative_logprob: float, length: int, length_penalty: flo
 
 
 @dataclass
-class Hypothesis:
-    """A finished beam: its generated tokens (ending in the stop token if it stopped)."""
-
-    token_ids: list[int]
-    cumulative_logprob: float
-    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
-    finish_reason: str
-
-
-@dataclass
 class BeamState:
     """A beam group's search state; the live beams are the group's unfinished sequences, in
     the order of `running_scores` (best first)."""
@@ -51,7 +42,10 @@ class BeamState:
     stop_token_ids: list[int]
     max_new_tokens: int
     running_scores: torch.Tensor  # float32 [num_live_beams]
-    slots: list[Hypothesis | None] = field(default_factory=list)  # beam_width, best first
+    # beam_width slots, best first (None: empty), for the hypotheses: finished beams, as they
+    # are returned (generated tokens ending in the stop token if it stopped; score:
+    # cumulative_logprob / len(token_ids) ** length_penalty).
+    slots: list[BeamResult | None] = field(default_factory=list)
     # float32 [beam_width], NEG_INF_SCORE if empty (create() sizes it).
     slot_scores: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     heuristic_unsatisfied: bool = True
@@ -84,5 +78,5 @@ class BeamState:
         min_tokens may mask out of them (see BeamCandidates)."""
         return self.candidates_per_step + len(self.stop_token_ids)
 
-    def hypotheses(self) -> list[Hypothesis]:
+    def hypotheses(self) -> list[BeamResult]:
         return [h for h in self.slots if h is not None]

@@ -4,7 +4,7 @@ logprobs."""
 
 from __future__ import annotations
 
-from octavo.engine.core.beam_state import Hypothesis, normalized_score
+from octavo.engine.core.beam_state import normalized_score
 from octavo.engine.core.sequence import SequenceGroup
 from octavo.engine.core_messages import BeamResult, EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -83,7 +83,7 @@ def _beam_results(group: SequenceGroup) -> list[BeamResult]:
     if not hypotheses:
         reason = "abort" if group.error is None else "error"
         hypotheses = [
-            Hypothesis(
+            BeamResult(
                 seq.output_token_ids,
                 cumulative,
                 normalized_score(cumulative, max(seq.num_output_tokens, 1), params.length_penalty),
@@ -91,7 +91,4 @@ def _beam_results(group: SequenceGroup) -> list[BeamResult]:
             )
             for seq, cumulative in zip(group.seqs, beam.running_scores.tolist(), strict=False)
         ]
-    return [
-        BeamResult(h.token_ids, h.cumulative_logprob, h.score, h.finish_reason)
-        for h in hypotheses[: params.num_return_sequences]
-    ]
+    return hypotheses[: params.num_return_sequences]

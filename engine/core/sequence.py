@@ -24,9 +24,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        if self is SequenceStatus.RUNNING or self is SequenceStatus.WAITING:
-            return None
-        return _FINISH_REASONS[self]
+        return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
@@ -70,14 +68,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:

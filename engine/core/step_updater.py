@@ -17,7 +17,7 @@ from octavo.engine.core.request_outputs import (
 )
 from octavo.engine.core.scheduled_step import ScheduledStep
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from octavo.engine.core.stop_checker import StopChecker
+from octavo.engine.core.stop_checker import StopChecker, StopDecision
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.step_io import ModelRunnerOutput
 
@@ -99,9 +99,7 @@ class StepUpdater:
         row = 0
         num_tokens = len(seq_ids)  # tokens kept: rows, less the drafts' rows not kept
         for group, _, sample_seqs in step.entries:
-            if not sample_seqs:
-                continue
-            for seq in sample_seqs:
+            for seq in sample_seqs:  # none for a chunk short of its sequence's end
                 if seq_ids[row] != seq.seq_id:
                     raise AssertionError(f"row {row} is sequence {seq_ids[row]}, not {seq.seq_id}")
                 drafts = seq.spec_token_ids
@@ -142,8 +140,7 @@ class StepUpdater:
                         ):
                             decision = check_stop(seq, group, ended)
                             if decision is not None:
-                                self._stop(seq, decision.finish_reason, decision.stop_reason)
-                                finish_reason = decision.finish_reason
+                                finish_reason = self._stop(seq, decision)
                         new_token_ids = [token_id]
                         tops = None if top is None else [top]
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
@@ -204,8 +201,7 @@ class StepUpdater:
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
         per_pos = self.num_accepted_tokens_per_pos
-        if len(per_pos) < accepted:
-            per_pos += [0] * (accepted - len(per_pos))
+        per_pos += [0] * (accepted - len(per_pos))  # nothing when it is long enough
         for position in range(accepted):
             per_pos[position] += 1
         new_token_ids: list[int] = []
@@ -223,8 +219,7 @@ class StepUpdater:
             if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
                 decision = self.stop_checker.check(seq, group, False)
                 if decision is not None:
-                    self._stop(seq, decision.finish_reason, decision.stop_reason)
-                    finish_reason = decision.finish_reason
+                    finish_reason = self._stop(seq, decision)
                     break
         seq.num_computed_tokens = len(seq.token_ids) - 1  # its last token's K/V: next step
         return new_token_ids, tops or None, finish_reason
@@ -233,7 +228,7 @@ class StepUpdater:
         self, step: ScheduledStep, result: ModelRunnerOutput, update: SchedulerUpdate, now: float
     ) -> None:
         """Advances each beam search the step computed candidates for (a group's beams are
-        scheduled together: one `_beam_step` each)."""
+        scheduled together: one `BeamSearch.step` each)."""
         rows = {seq_id: row for row, seq_id in enumerate(result.beam_seq_ids)}
         groups = {
             id(group): group
@@ -243,7 +238,19 @@ class StepUpdater:
         for group in groups.values():
             if group.is_finished:
                 continue
-            self._beam_step(group, result, rows, now)
+            beams = group.unfinished_seqs
+            try:
+                assert result.beam_candidates is not None, "beam rows without candidates"
+                candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
+                self.beam_search.step(group, candidates)
+            except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
+                self._fail(group, exc)
+            else:
+                if group.beam_grammar is not None:
+                    self._forget(self.beam_search.follow(group, beams))
+                self.num_generation_tokens += len(beams)
+                if group.first_token_time is None:
+                    group.first_token_time = now
             if group.is_finished:
                 update.finished.append(group)
                 update.outputs.append(final_output(group, []))
@@ -261,25 +268,6 @@ class StepUpdater:
                 chunks[group.request_id], groups[group.request_id] = chunk, group
         attach_prompt_logprobs(update.outputs, chunks, groups)
 
-    def _beam_step(
-        self, group: SequenceGroup, result: ModelRunnerOutput, rows: dict[int, int], now: float
-    ) -> None:
-        if group.is_finished:
-            return
-        beams = group.unfinished_seqs
-        try:
-            assert result.beam_candidates is not None, "beam rows without candidates"
-            candidates = result.beam_candidates.rows([rows[b.seq_id] for b in beams])
-            self.beam_search.step(group, candidates)
-        except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
-            self._fail(group, exc)
-            return
-        if group.beam_grammar is not None:
-            self._forget(self.beam_search.follow(group, beams))
-        self.num_generation_tokens += len(beams)
-        if group.first_token_time is None:
-            group.first_token_time = now
-
     def _fail(self, group: SequenceGroup, exc: BaseException) -> None:
         """Ends a request whose processing raised: its unfinished sequences finish with
         FINISHED_ERROR and free their blocks; `group.error` says why, for its client."""
@@ -288,10 +276,11 @@ class StepUpdater:
         for seq in group.unfinished_seqs:
             self._finish(seq, SequenceStatus.FINISHED_ERROR)
 
-    def _stop(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
-        assert not isinstance(stop_reason, str), "token rules match no text"
-        seq.stop_reason = stop_reason
-        if finish_reason == "length":
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-        else:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+    def _stop(self, seq: Sequence, decision: StopDecision) -> str:
+        """Ends `seq` as a stop rule decided; returns the decision's finish reason."""
+        seq.stop_reason = decision.stop_reason
+        length = decision.finish_reason == "length"
+        self._finish(
+            seq, SequenceStatus.FINISHED_LENGTH if length else SequenceStatus.FINISHED_STOPPED
+        )
+        return decision.finish_reason
