@@ -65,18 +65,18 @@ class RequestQueue(ABC):
     @abstractmethod
     def remove(self, group: SequenceGroup) -> None: ...
 
-    @abstractmethod
     def remove_finished(self) -> None:
-        """Drops the finished requests (preempted ones a late token finished)."""
+        """Drops the finished requests (preempted ones a late token finished: rare, so each
+        goes by `remove`)."""
+        for group in [group for group in self if group.is_finished]:
+            self.remove(group)
 
     @abstractmethod
     def __iter__(self) -> Iterator[SequenceGroup]: ...
 
     @abstractmethod
-    def __len__(self) -> int: ...
-
-    def __bool__(self) -> bool:
-        return len(self) > 0
+    def __len__(self) -> int:
+        """The waiting requests (also the queue's truth: empty is false)."""
 
     def preemption_victim(self, candidates: list[SequenceGroup]) -> SequenceGroup:
         """Which of `candidates` (running requests not yet scheduled this step, in admission
@@ -133,9 +133,6 @@ class FCFSRequestQueue(RequestQueue):
     def remove(self, group: SequenceGroup) -> None:
         self._queue.remove(group)  # a scan in C: a burst of aborts stays cheap
 
-    def remove_finished(self) -> None:
-        self._queue = deque(g for g in self._queue if not g.is_finished)
-
     def __iter__(self) -> Iterator[SequenceGroup]:
         return iter(self._queue)
 
@@ -169,10 +166,6 @@ class PriorityRequestQueue(RequestQueue):
 
     def remove(self, group: SequenceGroup) -> None:
         self._heap = [entry for entry in self._heap if entry[-1] is not group]
-        heapq.heapify(self._heap)
-
-    def remove_finished(self) -> None:
-        self._heap = [entry for entry in self._heap if not entry[-1].is_finished]
         heapq.heapify(self._heap)
 
     def __iter__(self) -> Iterator[SequenceGroup]:
@@ -236,12 +229,8 @@ class FairRequestQueue(RequestQueue):
         return self._queues[self._next_user()][0]
 
     def pop(self) -> SequenceGroup:
-        user = self._next_user()
-        queue = self._queues[user]
-        group = queue.popleft()
-        if not queue:
-            del self._queues[user]
-        self._len -= 1
+        group = self.peek()
+        self.remove(group)  # the head of its user's queue: found at once
         return group
 
     def remove(self, group: SequenceGroup) -> None:
@@ -250,15 +239,6 @@ class FairRequestQueue(RequestQueue):
         if not queue:
             del self._queues[group.user]
         self._len -= 1
-
-    def remove_finished(self) -> None:
-        for user in list(self._queues):
-            kept = deque(g for g in self._queues[user] if not g.is_finished)
-            self._len -= len(self._queues[user]) - len(kept)
-            if kept:
-                self._queues[user] = kept
-            else:
-                del self._queues[user]
 
     def __iter__(self) -> Iterator[SequenceGroup]:
         return (group for queue in self._queues.values() for group in queue)

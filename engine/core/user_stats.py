@@ -17,6 +17,7 @@ idle engine's last counts are exact).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from octavo.engine.core.sequence import SequenceGroup
@@ -47,13 +48,11 @@ class UserStatsTracker:
 
     def label(self, user: str) -> str:
         """The series `user` is counted under (given one, if one is left)."""
-        if user in self._tokens:
-            return user
-        if len(self._tokens) < self.max_series:
-            self._tokens[user] = [0, 0]
-            return user
-        self._tokens.setdefault(OTHER_USER, [0, 0])
-        return OTHER_USER
+        if user not in self._tokens:
+            if len(self._tokens) >= self.max_series:
+                user = OTHER_USER
+            self._tokens.setdefault(user, [0, 0])
+        return user
 
     def admitted(self, group: SequenceGroup) -> None:
         """A request admitted for the first time: its prompt is served."""
@@ -74,15 +73,15 @@ class UserStatsTracker:
         if now < self._next_refresh and (running or waiting):
             return self._snapshot
         self._next_refresh = now + self.refresh_seconds
-        counts = {label: [0, 0] for label in self._tokens}
-        for groups, kind in ((running, 0), (waiting, 1)):
-            for group in groups:
-                label = self.label(group.user)
-                if label not in counts:
-                    counts[label] = [0, 0]
-                counts[label][kind] += 1
+        # (label, 0) per running request, (label, 1) per waiting one; every label is in
+        # `_tokens` once counted.
+        counts = Counter(
+            (self.label(group.user), kind)
+            for groups, kind in ((running, 0), (waiting, 1))
+            for group in groups
+        )
         self._snapshot = {
-            label: UserStats(num_running, num_waiting, *self._tokens[label])
-            for label, (num_running, num_waiting) in counts.items()
+            label: UserStats(counts[label, 0], counts[label, 1], *tokens)
+            for label, tokens in self._tokens.items()
         }
         return self._snapshot
