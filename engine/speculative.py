@@ -11,9 +11,9 @@ it agrees with is a step saved.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -24,7 +24,7 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """`num_speculative_tokens` draft tokens a step, for no running batch larger than
     `disable_by_batch_size` (None: any), where speculation only adds work. Method "ngram":
@@ -51,10 +51,7 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError("speculative_config: a JSON object is expected")
         fields = dict(value)
-        known = {
-            "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-            "disable_by_batch_size", "model",
-        }  # fmt: skip
+        known = {field.name for field in dataclasses.fields(cls)}
         for key in fields:
             if key not in known:
                 raise ValueError(f"speculative_config: unknown field {key!r}")

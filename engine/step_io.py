@@ -120,10 +120,6 @@ class SchedulerOutput:
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsSpan
     num_draft_tokens: int = 0  # of all scheduled sequences (0: each samples once at most)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 @dataclass
 class SamplerOutput:

@@ -180,9 +180,7 @@ class BlockManager:
         block it writes into) and registers its full blocks among the first
         `registered_end`; False, changing nothing, when the free blocks are too few."""
         start = seq.num_computed_tokens
-        table = self.block_tables.get(seq.seq_id)
-        if table is None:
-            table = self.block_tables[seq.seq_id] = []
+        table = self.block_tables.setdefault(seq.seq_id, [])
         block_size = self.block_size
         target = -(-end // block_size)
         copy_on_write = start % block_size != 0 and self.ref_counts[table[start // block_size]] > 1
@@ -223,16 +221,14 @@ class BlockManager:
         the last blocks are released first, so they are evicted before the first)."""
         table = self.block_tables.pop(seq.seq_id, None)
         self._writable_end.pop(seq.seq_id, None)
-        if table is None:
-            self._seq_names.pop(seq.seq_id, None)  # looked up while it waited
-            return
-        self._changed.discard(seq.seq_id)
-        self._freed.append(seq.seq_id)
-        if self.enable_prefix_caching:
-            self._register(seq, table, seq.num_computed_tokens)
-            self._seq_names.pop(seq.seq_id, None)
-        for block in reversed(table):
-            self._release_block(block)
+        if table is not None:  # else it was only looked up while it waited
+            self._changed.discard(seq.seq_id)
+            self._freed.append(seq.seq_id)
+            if self.enable_prefix_caching:
+                self._register(seq, table, seq.num_computed_tokens)
+            for block in reversed(table):
+                self._release_block(block)
+        self._seq_names.pop(seq.seq_id, None)
 
     # -- prefix cache ------------------------------------------------------------------------
 
@@ -273,9 +269,7 @@ class BlockManager:
 
     def _names(self, seq: Sequence, num_blocks: int) -> _BlockNames:
         """`seq`'s block names, at least its first `num_blocks` (each computed once)."""
-        entry = self._seq_names.get(seq.seq_id)
-        if entry is None:
-            entry = self._seq_names[seq.seq_id] = _BlockNames()
+        entry = self._seq_names.setdefault(seq.seq_id, _BlockNames())
         names = entry.names
         tokens, size = seq.token_ids, self.block_size
         parent = names[-1] if names else root_hash(seq.lora_int_id)

@@ -239,7 +239,7 @@ class EngineCore:
             outputs += self._apply_in_flight()
         scheduled = self.scheduler.schedule()
         launched = None
-        if scheduled.output.is_empty:  # nothing to run; the worker still hears what ended
+        if not scheduled.output.scheduled:  # nothing to run; the worker still hears what ended
             self.runner.apply_changes(scheduled.output)
         else:
             for observe in self.step_observers:
@@ -259,8 +259,7 @@ class EngineCore:
         (prompt lookup, or the draft model), unless more sequences run than
         `disable_by_batch_size`. A draft stops short of the request's length limit: tokens
         past it would not be kept."""
-        scheduler = self.scheduler
-        drafter = self.drafter
+        scheduler, drafter = self.scheduler, self.drafter
         if drafter is not None:
             drafter.release({seq.seq_id for group in scheduler.running for seq in group.seqs})
         limit = spec.disable_by_batch_size
@@ -288,8 +287,7 @@ class EngineCore:
             # Slots for the draft's own proposals too: it writes them through this table.
             bm.allocate_lookahead(seq, k)
             requests.append(DraftRequest(seq.seq_id, seq.token_ids, k, bm.block_tables[seq.seq_id]))
-        drafts = drafter.propose(requests)
-        for (seq, _), draft in zip(drafted, drafts, strict=True):
+        for (seq, _), draft in zip(drafted, drafter.propose(requests), strict=True):
             seq.spec_token_ids = draft
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from octavo.engine.core.beam_search import BeamSearch
@@ -88,7 +88,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompts admitted (each counted once)
         self.users = UserStatsTracker()
-        self._seq_ids = itertools.count()
+        # The id of each new sequence (requests', forks', beams'), in order.
+        self.new_seq_id: Callable[[], int] = itertools.count().__next__
         # Whether a request with a LoRA adapter ever came: only then does a step list the
         # adapters of its new tables (SchedulerOutput.lora_int_ids).
         self._saw_adapters = False
@@ -103,9 +104,6 @@ class Scheduler:
         self.num_prefix_cache_hits = 0  # of which were found
         self.beam_search = BeamSearch(block_manager, self.new_seq_id)
         self.updater = StepUpdater(stop_checker, self.beam_search, self._finish, self._forget)
-
-    def new_seq_id(self) -> int:
-        return next(self._seq_ids)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -217,7 +215,7 @@ class Scheduler:
         passed_over: list[SequenceGroup] = []
         while admits and self.waiting and budget > 0 and not preempted:
             group = self.waiting.peek()
-            if victims and any(group is victim for victim in victims):
+            if group in victims:
                 break  # preempted this step to admit another: not taken back at once
             seqs = group.unfinished_seqs
             lora_int_id = group.lora_int_id
@@ -232,8 +230,9 @@ class Scheduler:
             num_cached = self._take_cached_prefix(group, seqs)
             scheduled = self._schedule_group(group, budget, step)
             if scheduled is None:
-                if num_cached:
-                    self._return_cached_prefix(seqs[0])
+                if num_cached:  # it does not fit after all: _take_cached_prefix undone
+                    self.block_manager.release_prefix(seqs[0])
+                    seqs[0].num_computed_tokens = 0
                 break
             budget -= scheduled
             self._count_prefix_lookup(group, seqs, num_cached)
@@ -242,6 +241,7 @@ class Scheduler:
             self._num_running_seqs = None
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
+                group.num_cached_tokens = num_cached  # 0 without prefix caching
                 self.num_prompt_tokens += len(group.prompt_token_ids)
                 self.waiting.charge(group, len(group.prompt_token_ids))
                 self.users.admitted(group)
@@ -301,7 +301,6 @@ class Scheduler:
             )
             if victim is None:
                 break
-            self.running.remove(victim)
             self._preempt(victim)
             victims.append(victim)
         return victims
@@ -342,19 +341,11 @@ class Scheduler:
         seq.num_computed_tokens = len(blocks) * self.block_manager.block_size
         return seq.num_computed_tokens
 
-    def _return_cached_prefix(self, seq: Sequence) -> None:
-        """Undoes `_take_cached_prefix` for a sequence that does not fit after all."""
-        self.block_manager.release_prefix(seq)
-        seq.num_computed_tokens = 0
-
     def _count_prefix_lookup(
         self, group: SequenceGroup, seqs: list[Sequence], num_cached: int
     ) -> None:
-        """The first admission sets the request's cached tokens (0 without prefix caching);
-        vLLM's prefix-cache counters, in tokens: each admission that looked up queries the
+        """vLLM's prefix-cache counters, in tokens: each admission that looked up queries the
         sequence's tokens."""
-        if group.num_cached_tokens is None:
-            group.num_cached_tokens = num_cached
         looked_up = len(seqs) == 1 and not group.wants_prompt_logprobs
         if looked_up and self.block_manager.enable_prefix_caching:
             self.num_prefix_cache_queries += len(seqs[0].token_ids)
@@ -456,11 +447,9 @@ class Scheduler:
             seq.num_computed_tokens = end
             for sampled_seq in entry[2]:  # the sequences sampled from it
                 sampled_seq.num_pending_tokens += 1
-            span = (
-                self._prompt_logprobs_span(group, start, num_new)
-                if group.wants_prompt_logprobs
-                else None
-            )
+            span = None
+            if group.wants_prompt_logprobs:
+                span = self._prompt_logprobs_span(group, start, num_new)
             item = (
                 seq.seq_id, start, num_new, input_token_ids, sample_ids, beam_top_k, span,
                 num_drafts,
@@ -496,7 +485,6 @@ class Scheduler:
         group = self.running[index]
         while True:
             victim = self.waiting.preemption_victim(self.running[index:])
-            self.running.remove(victim)
             self._preempt(victim)
             preempted.append(victim)
             if victim is group:
@@ -526,14 +514,16 @@ class Scheduler:
         self._num_running_seqs = None
         children = []
         while group.needs_fork:
-            index = len(group.seqs)
-            child = parent.fork(self.new_seq_id(), index)
+            child = parent.fork(self.new_seq_id(), len(group.seqs))
             self.block_manager.fork(parent, child)
             group.seqs.append(child)
             children.append(child)
         return children
 
     def _preempt(self, group: SequenceGroup) -> None:
+        """Takes a running group back to the waiting queue (`RequestQueue.prepend`), its blocks
+        freed and its tokens kept (preemption by recompute)."""
+        self.running.remove(group)
         self._num_running_seqs = None
         for seq in group.unfinished_seqs:
             self.block_manager.free(seq)
