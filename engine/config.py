@@ -210,16 +210,15 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.prefill_interval is not None and self.prefill_interval < 1:
-            raise ValueError(f"prefill_interval must be >= 1, got {self.prefill_interval}")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_interval",
+            "stream_interval",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # prefill_interval None: by device
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
@@ -232,15 +231,12 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
-            )
-        if self.attention_backend not in _ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
+        for name, allowed in (
+            ("load_format", _LOAD_FORMATS),
+            ("attention_backend", _ATTENTION_BACKENDS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.piecewise_cuda_graphs and not self.uses_cuda_graphs:
             raise ValueError(
                 "piecewise_cuda_graphs needs CUDA graphs: device cuda, attention_backend "

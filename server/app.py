@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -107,15 +107,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)], responses=_errors(400, 401))
+    # The routes behind --api-key (the generating ones check it in their middleware).
+    keyed = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @keyed.get("/v1/models", responses=_errors(400, 401))
     async def models() -> ModelList:
         return ModelList(data=tokenization.model_cards())
 
-    @app.get(
-        "/v1/models/{model_id:path}",
-        dependencies=[Depends(require_api_key)],
-        responses=_errors(400, 401, 404),
-    )
+    @keyed.get("/v1/models/{model_id:path}", responses=_errors(400, 401, 404))
     async def model(model_id: str) -> ModelCard:
         for card in tokenization.model_cards():
             if card.id == model_id:
@@ -125,36 +124,26 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     if config.lora is not None and config.allow_runtime_lora_updating:
         lora = config.lora
 
-        @app.post(
-            "/v1/load_lora_adapter",
-            dependencies=[Depends(require_api_key)],
-            responses=_errors(400, 401),
-        )
+        @keyed.post("/v1/load_lora_adapter", responses=_errors(400, 401))
         async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
             # Reading the adapter's files off the loop: a slow disk stalls no stream.
             await asyncio.to_thread(lora.add, request.lora_name, request.lora_path)
             return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added.")
 
-        @app.post(
-            "/v1/unload_lora_adapter",
-            dependencies=[Depends(require_api_key)],
-            responses=_errors(400, 401, 404),
-        )
+        @keyed.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
             lora.remove(request.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed.")
 
-    @app.post(
-        "/tokenize", dependencies=[Depends(require_api_key)], responses=_errors(400, 401, 404)
-    )
+    @keyed.post("/tokenize", responses=_errors(400, 401, 404))
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return tokenization.tokenize(request)
 
-    @app.post(
-        "/detokenize", dependencies=[Depends(require_api_key)], responses=_errors(400, 401, 404)
-    )
+    @keyed.post("/detokenize", responses=_errors(400, 401, 404))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.detokenize(request)
+
+    app.include_router(keyed)
 
     @app.get("/version")
     async def version() -> VersionResponse:

@@ -15,9 +15,10 @@ name or a value of the wrong type with an error that names it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,25 +48,22 @@ class Flag:
     def option(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    @property
-    def help(self) -> str | None:
-        return self.field.metadata.get("help")
+
+def _init_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
+    """Each field of dataclass `cls` that `__init__` takes, with its resolved annotation."""
+    hints = typing.get_type_hints(cls)
+    return ((field, hints[field.name]) for field in dataclasses.fields(cls) if field.init)
 
 
 def flags(cls: type) -> dict[str, Flag]:
     """Every flag of dataclass `cls` by name, in field order, those of nested dataclass
     fields in their place."""
     found: dict[str, Flag] = {}
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
-        hint = hints[field.name]
+    for field, hint in _init_fields(cls):
         if dataclasses.is_dataclass(hint):
             found.update(flags(typing.cast(type, hint)))
             continue
-        multiple = _is_tuple(hint)
-        kind, choices = _kind_and_choices(hint)
+        kind, choices, multiple = _parsed_type(hint)
         if "choices" in field.metadata:
             choices = tuple(field.metadata["choices"])
         found[field.name] = Flag(field.name, kind, choices, field, multiple)
@@ -79,25 +77,18 @@ def _default(field: dataclasses.Field) -> Any:
     return field.default
 
 
-def _is_tuple(hint: Any) -> bool:
-    """Whether an annotation is `tuple[X, ...]`, or that or None."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is tuple:
-        return True
-    return len(args) == 1 and typing.get_origin(hint) is not typing.Literal and _is_tuple(args[0])
-
-
-def _kind_and_choices(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
-    """The parsed type of an annotation and its Literal choices: `int | None` -> int,
-    `Literal["a", "b"]` -> (str, ("a", "b")), `tuple[str, ...]` -> str (of each value)."""
+def _parsed_type(hint: Any) -> tuple[type, tuple[Any, ...] | None, bool]:
+    """The parsed type of an annotation, its Literal choices, and whether it is
+    `tuple[X, ...]` (a flag of one value or more): `int | None` -> (int, None, False),
+    `Literal["a", "b"]` -> (str, ("a", "b"), False), `tuple[str, ...]` -> (str, None, True)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Literal:
-        return type(args[0]), tuple(args)
+        return type(args[0]), tuple(args), False
     if typing.get_origin(hint) is tuple:
-        return _kind_and_choices(args[0])
+        return *_parsed_type(args[0])[:2], True
     if len(args) == 1:  # Optional[X]
-        return _kind_and_choices(args[0])
-    return hint, None
+        return _parsed_type(args[0])
+    return hint, None, False
 
 
 def add_flags(
@@ -123,18 +114,14 @@ def _add(
 ) -> None:
     """`add_flags`, with `parser` where ungrouped flags go and `root` where sections are
     made (a nested dataclass's flags go to its field's section)."""
-    hints = typing.get_type_hints(cls)
     own = flags(cls)
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
+    for field, hint in _init_fields(cls):
         target = parser
         if "group" in field.metadata:
             title = field.metadata["group"]
             if title not in sections:
                 sections[title] = root.add_argument_group(title)
             target = sections[title]
-        hint = hints[field.name]
         default = getattr(defaults, field.name) if defaults is not None else _default(field)
         if dataclasses.is_dataclass(hint):
             nested = None if default is dataclasses.MISSING else default
@@ -146,7 +133,7 @@ def _add(
 def _add_flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: Flag, default: Any
 ) -> None:
-    options: dict[str, Any] = {"help": flag.help}
+    options: dict[str, Any] = {"help": flag.field.metadata.get("help")}
     if flag.choices is not None:
         options["choices"] = list(flag.choices)
     if flag.multiple:
@@ -165,12 +152,8 @@ def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:
     `config_values`): a field missing from `values` keeps its default, a nested dataclass
     field is its default with the values given for its own fields replaced (names that are
     no flag of `cls` are ignored). The dataclasses' own checks run (ValueError)."""
-    hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
-        hint = hints[field.name]
+    for field, hint in _init_fields(cls):
         if dataclasses.is_dataclass(hint):
             nested = typing.cast(type, hint)
             own = {name: values[name] for name in flags(nested) if name in values}
@@ -214,27 +197,19 @@ def config_values(cls: type, config: Mapping[str, Any], source: str) -> dict[str
 def _config_value(flag: Flag, key: Any, value: Any, source: str) -> Any:
     """`value` as `flag`'s type, or a ValueError naming `key`. A string converts as the
     flag's argument would; a bool fits only a bool flag, and a float no int flag."""
-    if isinstance(value, str):
-        converted = value if flag.kind is str else _parse(flag.kind, value)
+    converted: Any = None
+    if isinstance(value, str) and flag.kind is bool:
+        converted = _BOOL_WORDS.get(value.strip().lower())
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            converted = flag.kind(value)
     elif isinstance(value, bool):
         converted = value if flag.kind is bool else None
     elif isinstance(value, (int, float)) and flag.kind is not bool:
         fits = isinstance(value, int) or flag.kind is not int
         converted = flag.kind(value) if fits else None
-    else:
-        converted = None
     if converted is None:
         raise ValueError(f"{source}: {key!r} must be {flag.kind.__name__}, got {value!r}")
     if flag.choices is not None and converted not in flag.choices:
         raise ValueError(f"{source}: {key!r} must be one of {list(flag.choices)}, got {value!r}")
     return converted
-
-
-def _parse(kind: type, text: str) -> Any:
-    """`text` as a `kind` (None if it is not one)."""
-    if kind is bool:
-        return _BOOL_WORDS.get(text.strip().lower())
-    try:
-        return kind(text)
-    except ValueError:
-        return None

@@ -88,27 +88,24 @@ class BodySizeLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await too_large.response()(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        received = 0
+        body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left before its body ended
                 return
-            chunks.append(message.get("body", b""))
-            received += len(chunks[-1])
-            if received > self.max_bytes:
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
                 await too_large.response()(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()  # after the body: http.disconnect, when it comes
 
         await self.app(scope, replay, send)

@@ -23,7 +23,6 @@ from octavo.server.ray_serve.pacer import Pacer
 
 
 def http_scope(request: ForwardedRequest) -> dict[str, Any]:
-    path = request.path
     return {
         "type": "http",
         # HTTP spec 2.3: a streaming response listens for http.disconnect on receive (from
@@ -32,8 +31,8 @@ def http_scope(request: ForwardedRequest) -> dict[str, Any]:
         "http_version": "1.1",
         "method": request.method,
         "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
+        "path": request.path,
+        "raw_path": request.path.encode(),
         "root_path": "",
         "query_string": request.query_string,
         "headers": request.headers,
