@@ -48,8 +48,8 @@ def _ray(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help, "group": RAY_GROUP})
 
 
-def _option(default: Any, help: str | None = None) -> Any:
-    return field(default=default, metadata={} if help is None else {"help": help})
+def _option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ class ServerArgs:
     engine: EngineConfig = field(
         default=EngineConfig(model=str(DEFAULT_MODEL)), metadata={"group": "engine"}
     )
-    host: str = _option("127.0.0.1")
-    port: int = _option(8000)
-    served_model_name: str | None = _option(None)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
     api_key: tuple[str, ...] | None = _option(
         None,
         f"require one of these bearer keys on /v1 (default: ${API_KEY_ENV}); with several, "
@@ -85,7 +85,7 @@ class ServerArgs:
         "for admission; more get 429 with Retry-After (default: no bound but "
         "--max-num-waiting)",
     )
-    max_body_bytes: int = _option(4 << 20)
+    max_body_bytes: int = 4 << 20
     chat_template: str | None = _option(
         None,
         "the Jinja chat template of /v1/chat/completions (transformers' chat_template "
@@ -155,7 +155,7 @@ class ServerArgs:
         "run the engine core in a thread of the API process instead of its own process "
         "(debugging; slower: both then share one GIL)",
     )
-    log_level: LogLevel = _option("info")
+    log_level: LogLevel = "info"
     ray: bool = _ray(
         False,
         "serve through Ray Serve: --num-replicas engine replicas behind one OpenAI endpoint "
