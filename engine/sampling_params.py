@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
+from typing import TypeGuard
 
 from octavo.engine.errors import ParameterError
 from octavo.engine.structured_outputs import StructuredOutputsParams
@@ -18,7 +19,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (True is not a token count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -30,6 +31,20 @@ def _as_list(name: str, value: object) -> list:
     if not isinstance(value, list | tuple):
         raise ParameterError(name, f"{name} must be a list, got {value!r}")
     return list(value)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    """An integer (not a bool) of at least `minimum`."""
+    if not _is_int(value) or value < minimum:
+        raise ParameterError(name, f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_int64(name: str, value: object) -> None:
+    """An integer (not a bool) that fits the sampler's int64 columns."""
+    if not _is_int(value) or not INT64_MIN <= value <= INT64_MAX:
+        raise ParameterError(
+            name, f"{name} must be an integer in [-2**63, 2**63 - 1], got {value!r}"
+        )
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -72,14 +87,8 @@ class GenerationParams:
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ParameterError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-            )
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ParameterError(
-                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
-            )
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ParameterError(
                 "min_tokens",
@@ -98,14 +107,9 @@ class GenerationParams:
                 "structured_outputs",
                 f"structured_outputs must be a StructuredOutputsParams, got {constraint!r}",
             )
-        if self.ignore_eos:
-            raise ParameterError(
-                "ignore_eos", "ignore_eos cannot be combined with structured outputs"
-            )
-        if self.min_tokens:
-            raise ParameterError(
-                "min_tokens", "min_tokens cannot be combined with structured outputs"
-            )
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(self, name):
+                raise ParameterError(name, f"{name} cannot be combined with structured outputs")
 
 
 @dataclass
@@ -164,8 +168,7 @@ class SamplingParams(GenerationParams):
         self._validate_token_controls()
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ParameterError("n", f"n must be an integer >= 1, got {self.n!r}")
+        _check_int("n", self.n, 1)
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ParameterError(
                 "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
@@ -176,22 +179,12 @@ class SamplingParams(GenerationParams):
         ):  # fmt: skip
             _check_finite(name, getattr(self, name))
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        if self.seed is not None and (
-            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
-        ):
-            raise ParameterError(
-                "seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}"
-            )
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ParameterError(
-                "presence_penalty",
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-            )
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ParameterError(
-                "frequency_penalty",
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            )
+        if self.seed is not None:
+            _check_int64("seed", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ParameterError(name, f"{name} must be in [-2, 2], got {value}")
         if self.repetition_penalty <= 0.0:
             raise ParameterError(
                 "repetition_penalty",
@@ -201,16 +194,13 @@ class SamplingParams(GenerationParams):
             raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or not INT64_MIN <= self.top_k <= INT64_MAX:
-            raise ParameterError(
-                "top_k", f"top_k must be an integer in [-2**63, 2**63 - 1], got {self.top_k!r}"
-            )
+        _check_int64("top_k", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ParameterError(name, f"{name} must be an integer >= 0, got {value!r}")
+            if value is not None:
+                _check_int(name, value, 0)
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ParameterError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
 
@@ -241,14 +231,8 @@ class SamplingParams(GenerationParams):
             raise ParameterError(
                 "bad_words", f"bad_words must hold words, not blanks: {self.bad_words!r}"
             )
-        if self.truncate_prompt_tokens is not None and (
-            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
-        ):
-            raise ParameterError(
-                "truncate_prompt_tokens",
-                f"truncate_prompt_tokens must be an integer >= 1, got "
-                f"{self.truncate_prompt_tokens!r}",
-            )
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
 
     @property
     def num_sequences(self) -> int:
@@ -320,10 +304,7 @@ class BeamSearchParams(GenerationParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not _is_int(self.beam_width) or self.beam_width < 1:
-            raise ParameterError(
-                "beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}"
-            )
+        _check_int("beam_width", self.beam_width, 1)
         _check_finite("length_penalty", self.length_penalty)
         if not _is_int(self.num_return_sequences) or not (
             1 <= self.num_return_sequences <= self.beam_width
