@@ -216,32 +216,34 @@ class OutputProcessor:
         """The output of a request `update` found due: for a stream (DELTA), what its samples
         gained since the previous one (None if nothing is due any more); else the whole
         output so far. Call once per taking: building a delta marks it sent."""
-        if state.failed:
-            return self._failed(state)
-        if state.beams is not None:
-            return self._beam_output(state, state.beams)
+        if state.failed:  # its outputs could not be applied: the final output is the error alone
+            return RequestOutput(
+                state.request_id, state.prompt, state.prompt_token_ids, [], True, None, state.error
+            )
         kind = state.output_kind
         finished = state.finished
+        prompt_logprobs, ranks = state.prompt_logprobs, state.prompt_token_ranks
         if kind is RequestOutputKind.DELTA:
             samples = [s for s in state.samples.values() if s.unsent and self._due(s)]
             if not samples and not finished:
                 return None
             if len(samples) > 1:
                 samples.sort(key=_by_index)
-            completions = [self._delta(state, s) for s in samples]
+            completions = [self._completion(state, s, True) for s in samples]
+            if state.prompt_logprobs_sent:  # the first output carried them
+                prompt_logprobs = ranks = None
+            state.prompt_logprobs_sent = True
         elif kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        elif state.beams is not None:  # (beam search is FINAL_ONLY)
+            completions = self._beam_completions(state, state.beams)
         else:
             completions = [
-                self._whole(state, s) for s in sorted(state.samples.values(), key=_by_index)
+                self._completion(state, s, False)
+                for s in sorted(state.samples.values(), key=_by_index)
             ]
             if isinstance(state.params, SamplingParams) and state.params.ranks_samples:
                 completions = _best(completions, state.params.n)
-        prompt_logprobs, ranks = state.prompt_logprobs, state.prompt_token_ranks
-        if kind is RequestOutputKind.DELTA:
-            if state.prompt_logprobs_sent:
-                prompt_logprobs = ranks = None
-            state.prompt_logprobs_sent = True
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -286,10 +288,7 @@ class OutputProcessor:
                 continue  # finished here (a stop string) before the core heard of it
             if delta.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
-            if state.text_at_end:
-                self._append(state, sample, delta)
-            else:
-                self._apply(state, sample, delta)
+            self._apply(state, sample, delta)
             if sample.finish_reason is not None:
                 any_sample_finished = True
                 if delta.finish_reason is None:
@@ -321,60 +320,44 @@ class OutputProcessor:
             state.samples[index] = sample
         return sample
 
-    @staticmethod
-    def _append(state: RequestState, sample: _SampleState, delta: SampleDelta) -> None:
-        """`_apply` for text_at_end: appends a delta's tokens undecoded; the core's finish
-        applies, and the whole text is decoded then, as `_apply` would have built it."""
-        sample.cumulative_logprob = delta.cumulative_logprob
-        sample.token_ids += delta.new_token_ids
-        if sample.want_logprobs and delta.new_logprobs is not None:
-            sample.logprobs += delta.new_logprobs
-        if delta.finish_reason is not None:
-            assert isinstance(state.params, SamplingParams)  # beams never reach samples
-            sample.finish_reason = delta.finish_reason
-            sample.stop_reason = delta.stop_reason
-            sample.detokenizer.flush(_without_stop_token(sample, state.params))
-
     def _apply(self, state: RequestState, sample: _SampleState, delta: SampleDelta) -> None:
         """Appends a delta's tokens, matching stop strings token by token; the core's own
-        finish (a token rule) applies unless a stop string ended the sample first."""
+        finish (a token rule) applies unless a stop string ended the sample first. With
+        text_at_end the tokens stay undecoded until that finish decodes the whole text, as
+        stepping would have built it."""
         params = state.params
-        assert isinstance(params, SamplingParams)
+        assert isinstance(params, SamplingParams)  # beams never reach samples
         sample.cumulative_logprob = delta.cumulative_logprob
         if not params.stop_strings:  # nothing to match: the tokens' text in one step
             sample.token_ids += delta.new_token_ids
             if sample.want_logprobs and delta.new_logprobs is not None:
                 sample.logprobs += delta.new_logprobs
-            if delta.finish_reason is None:
+            if delta.finish_reason is None and not state.text_at_end:
                 sample.detokenizer.step(sample.token_ids)
-            else:  # (flushing steps too, leaving out a stop token's text)
-                sample.finish_reason = delta.finish_reason
-                sample.stop_reason = delta.stop_reason
-                sample.detokenizer.flush(_without_stop_token(sample, params))
-            return
-        num_tokens = len(delta.new_token_ids)
-        for i, token_id in enumerate(delta.new_token_ids):
-            sample.token_ids.append(token_id)
-            if sample.want_logprobs and delta.new_logprobs is not None:
-                sample.logprobs.append(delta.new_logprobs[i])
-            last = i == num_tokens - 1
-            stop_token = last and isinstance(delta.stop_reason, int)
-            if stop_token and not params.include_stop_str_in_output:
-                break  # a stop token's own text is not part of the output
-            new_text = sample.detokenizer.step(sample.token_ids)
-            if new_text and len(sample.token_ids) >= params.min_tokens and not stop_token:
-                match = find_stop_string(
-                    sample.detokenizer.text,
-                    len(new_text),
-                    params.stop_strings,
-                    params.include_stop_str_in_output,
-                )
-                if match is not None:
-                    sample.text_end = match.text_end
-                    sample.finish_reason = "stop"
-                    sample.stop_reason = match.stop
-                    return
-        if delta.finish_reason is not None:
+        else:
+            num_tokens = len(delta.new_token_ids)
+            for i, token_id in enumerate(delta.new_token_ids):
+                sample.token_ids.append(token_id)
+                if sample.want_logprobs and delta.new_logprobs is not None:
+                    sample.logprobs.append(delta.new_logprobs[i])
+                last = i == num_tokens - 1
+                stop_token = last and isinstance(delta.stop_reason, int)
+                if stop_token and not params.include_stop_str_in_output:
+                    break  # a stop token's own text is not part of the output
+                new_text = sample.detokenizer.step(sample.token_ids)
+                if new_text and len(sample.token_ids) >= params.min_tokens and not stop_token:
+                    match = find_stop_string(
+                        sample.detokenizer.text,
+                        len(new_text),
+                        params.stop_strings,
+                        params.include_stop_str_in_output,
+                    )
+                    if match is not None:
+                        sample.text_end = match.text_end
+                        sample.finish_reason = "stop"
+                        sample.stop_reason = match.stop
+                        return
+        if delta.finish_reason is not None:  # (flushing steps too, leaving out a stop token's)
             sample.finish_reason = delta.finish_reason
             sample.stop_reason = delta.stop_reason
             sample.detokenizer.flush(_without_stop_token(sample, params))
@@ -399,38 +382,32 @@ class OutputProcessor:
                 if state.text_at_end:
                     sample.detokenizer.step(sample.token_ids)
 
-    def _delta(self, state: RequestState, sample: _SampleState) -> CompletionOutput:
+    @staticmethod
+    def _completion(state: RequestState, sample: _SampleState, delta: bool) -> CompletionOutput:
+        """A sample's output: for a stream (`delta`), what it gained since it was last sent,
+        which is then marked sent; else all of it so far (lists of its own either way)."""
         end = sample.visible_end(state.holdback)
-        sent_tokens = sample.sent_tokens
+        chars, tokens = (sample.sent_chars, sample.sent_tokens) if delta else (0, 0)
         completion = CompletionOutput(
             index=sample.index,
-            text=sample.detokenizer.text[sample.sent_chars : end],
-            token_ids=sample.token_ids[sent_tokens:],
+            text=sample.detokenizer.text[chars:end],
+            token_ids=sample.token_ids[tokens:],
             cumulative_logprob=sample.cumulative_logprob,
-            logprobs=sample.logprobs[sent_tokens:] if sample.want_logprobs else None,
+            logprobs=sample.logprobs[tokens:] if sample.want_logprobs else None,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
         )
-        sample.sent_chars = end
-        sample.sent_tokens = len(sample.token_ids)
-        sample.finish_sent = sample.finish_reason is not None
+        if delta:
+            sample.sent_chars = end
+            sample.sent_tokens = len(sample.token_ids)
+            sample.finish_sent = sample.finish_reason is not None
         return completion
 
-    @staticmethod
-    def _whole(state: RequestState, sample: _SampleState) -> CompletionOutput:
-        return CompletionOutput(
-            index=sample.index,
-            text=sample.detokenizer.text[: sample.visible_end(state.holdback)],
-            token_ids=list(sample.token_ids),
-            cumulative_logprob=sample.cumulative_logprob,
-            logprobs=list(sample.logprobs) if sample.want_logprobs else None,
-            finish_reason=sample.finish_reason,
-            stop_reason=sample.stop_reason,
-        )
-
-    def _beam_output(self, state: RequestState, beams: list[BeamResult]) -> RequestOutput:
+    def _beam_completions(
+        self, state: RequestState, beams: list[BeamResult]
+    ) -> list[CompletionOutput]:
         skip = state.params.skip_special_tokens
-        completions = [
+        return [
             CompletionOutput(
                 index=i,
                 text=self.tokenizer.decode(beam.token_ids, skip) if self.tokenizer else "",
@@ -442,23 +419,6 @@ class OutputProcessor:
             )
             for i, beam in enumerate(beams)
         ]
-        return RequestOutput(
-            state.request_id,
-            state.prompt,
-            state.prompt_token_ids,
-            completions,
-            True,
-            self._metrics(state),
-            state.error,
-            num_cached_tokens=state.num_cached_tokens,
-        )
-
-    @staticmethod
-    def _failed(state: RequestState) -> RequestOutput:
-        """The final output of a request whose outputs could not be applied."""
-        return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, [], True, None, state.error
-        )
 
     @staticmethod
     def _metrics(state: RequestState) -> RequestMetrics:
