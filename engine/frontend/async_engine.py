@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from octavo.engine.config import EngineConfig
@@ -133,7 +134,7 @@ class AsyncEngine:
         self.max_num_waiting_per_user = max_num_waiting_per_user
         # Each unfinished request's user, and how many unfinished requests each user has.
         self._request_users: dict[str, str] = {}
-        self._num_unfinished_per_user: dict[str, int] = {}
+        self._num_unfinished_per_user: Counter[str] = Counter()
         self.input_processor = InputProcessor(tokenizer, client.limits)
         self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self._streams: dict[str, _OutputStream] = {}
@@ -270,7 +271,7 @@ class AsyncEngine:
         core runs as of its latest count of them (`EngineStats.users`, a little behind the
         queues, so a request admitted since still counts as waiting). A user past the
         bounded set of series has no count of its own: all its unfinished requests count."""
-        unfinished = self._num_unfinished_per_user.get(user, 0)
+        unfinished = self._num_unfinished_per_user[user]
         series = self._stats.users.get(user)
         return unfinished - (series.num_running if series is not None else 0)
 
@@ -318,7 +319,7 @@ class AsyncEngine:
         self._pending.requests.append(request)
         self._num_requests_sent += 1
         self._request_users[request_id] = user
-        self._num_unfinished_per_user[user] = self._num_unfinished_per_user.get(user, 0) + 1
+        self._num_unfinished_per_user[user] += 1
         self._schedule_flush()
         return self._iterate(request_id, stream)
 
@@ -378,10 +379,8 @@ class AsyncEngine:
                 stream.put(state)
         for request_id in updated.finished:
             user = self._request_users.pop(request_id)
-            left = self._num_unfinished_per_user[user] - 1
-            if left:
-                self._num_unfinished_per_user[user] = left
-            else:
+            self._num_unfinished_per_user[user] -= 1
+            if not self._num_unfinished_per_user[user]:  # no user outlives its requests
                 del self._num_unfinished_per_user[user]
         if updated.sample_aborts or updated.aborts:
             self._pending.sample_aborts.extend(updated.sample_aborts)

@@ -312,7 +312,6 @@ class MultiprocessCoreClient(EngineCoreClient):
         self._cleanup()
 
     def _stop_process(self) -> None:
-        self._closing = True
         if self.process is None:  # the supervisor that started it waits for it
             return
         with self._reaping:

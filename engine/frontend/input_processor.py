@@ -139,23 +139,16 @@ class InputProcessor:
         if not prompt_ids:
             raise ParameterError("prompt", "prompt must not be empty")
         vocab = limits.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ParameterError(
-                "prompt", f"prompt token ids must be in [0, {vocab}), got {bad[:4]}"
-            )
+        self._check_in_vocab("prompt", "prompt token ids", prompt_ids)
         if len(prompt_ids) > limits.max_model_len:
             raise ParameterError(
                 "prompt",
                 f"prompt is {len(prompt_ids)} tokens, longer than "
                 f"max_model_len ({limits.max_model_len})",
             )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ParameterError(
-                "stop_token_ids", f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:4]}"
-            )
+        self._check_in_vocab("stop_token_ids", "stop_token_ids", params.stop_token_ids)
         if isinstance(params, BeamSearchParams):
+            width = "beam_width"
             stops = len(self._stop_token_ids(params))
             if max(2, 1 + stops) * params.beam_width > vocab:
                 raise ParameterError(
@@ -164,6 +157,7 @@ class InputProcessor:
                     f"candidates per step than the vocabulary ({vocab}) has",
                 )
         else:
+            width = "n" if params.best_of is None else "best_of"
             for name in ("logprobs", "prompt_logprobs"):
                 value = getattr(params, name)
                 if value is not None and value > vocab:
@@ -174,15 +168,7 @@ class InputProcessor:
                 # A tokenizer may know more tokens than the model: never index past its logits.
                 ("bad_words", [t for word in bad_words_token_ids for t in word]),
             ):
-                bad_ids = [t for t in ids if t >= vocab]
-                if bad_ids:
-                    raise ParameterError(
-                        name, f"{name} token ids must be in [0, {vocab}), got {bad_ids[:4]}"
-                    )
-        if isinstance(params, BeamSearchParams):
-            width = "beam_width"
-        else:
-            width = "n" if params.best_of is None else "best_of"
+                self._check_in_vocab(name, f"{name} token ids", ids)
         num_seqs = params.num_sequences
         if num_seqs > limits.max_num_seqs:
             raise ParameterError(
@@ -199,3 +185,11 @@ class InputProcessor:
                 f"{width}={num_seqs} sequences of up to {longest} tokens need "
                 f"{blocks} KV blocks; the cache has {limits.num_usable_blocks}",
             )
+
+    def _check_in_vocab(self, name: str, what: str, token_ids: list[int]) -> None:
+        """Refuses (`name`; "`what` must be in ...") token ids the model has no logit for.
+        Only a prompt's can be negative: the parameters refuse negative ids themselves."""
+        vocab = self.limits.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ParameterError(name, f"{what} must be in [0, {vocab}), got {bad[:4]}")

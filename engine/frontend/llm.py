@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from typing import Any
@@ -26,8 +27,7 @@ class LLM:
     def __init__(self, model: str, **engine_config: Any):
         """`engine_config`: any EngineConfig field by name (dtype, device, num_blocks,
         max_num_seqs, gpu_memory_utilization, ...); EngineConfig documents them all."""
-        config = EngineConfig(model=model, **engine_config)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_config))
         self._request_ids = itertools.count()
 
     @classmethod
@@ -54,30 +54,20 @@ class LLM:
         base model); needs enable_lora. `priority`: one per prompt (vLLM's; lower is
         served first), with scheduling_policy "priority"."""
         prompts = self._as_prompt_list(prompts)
+        num_prompts = len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
-                )
-        final_only = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+            sampling_params = [sampling_params] * num_prompts
         if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(
-                    f"lora_request has {len(loras)} entries for {len(prompts)} prompts"
-                )
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        request_ids = [str(next(self._request_ids)) for _ in prompts]
-        self._add_all(request_ids, prompts, final_only, loras, priority)
-        return self._run(request_ids, use_tqdm)
+            lora_request = [lora_request] * num_prompts
+        params_list = _per_prompt("sampling_params", sampling_params, num_prompts)
+        loras = _per_prompt("lora_request", lora_request, num_prompts)
+        if priority is None:
+            priority = [0] * num_prompts
+        priorities = _per_prompt("priority", priority, num_prompts)
+        final_only = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        return self._generate(prompts, final_only, loras, priorities, use_tqdm)
 
     def beam_search(
         self,
@@ -90,9 +80,10 @@ class LLM:
         outputs are its num_return_sequences best hypotheses, best first, with `score`.
         `lora_request`: the LoRA adapter every beam runs with (needs enable_lora)."""
         prompts = self._as_prompt_list(prompts)
-        request_ids = [str(next(self._request_ids)) for _ in prompts]
-        self._add_all(request_ids, prompts, [params] * len(prompts), [lora_request] * len(prompts))
-        return self._run(request_ids, use_tqdm)
+        count = len(prompts)
+        return self._generate(
+            prompts, [params] * count, [lora_request] * count, [0] * count, use_tqdm
+        )
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptType]:
@@ -100,18 +91,18 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _add_all(
+    def _generate(
         self,
-        request_ids: list[str],
         prompts: list[PromptType],
-        params_list,
-        loras: list[LoRARequest | None] | None = None,
-        priorities: SequenceABC[int] | None = None,
-    ) -> None:
-        """Adds every request, or none: a bad one aborts those already added and raises."""
+        params_list: list,
+        loras: list[LoRARequest | None],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Adds every request, or none (a bad one aborts those already added and raises),
+        then steps until all are finished; their final outputs in prompt order."""
+        request_ids = [str(next(self._request_ids)) for _ in prompts]
         added: list[str] = []
-        loras = loras or [None] * len(prompts)
-        priorities = priorities or [0] * len(prompts)
         try:
             for request_id, prompt, params, lora, priority in zip(
                 request_ids, prompts, params_list, loras, priorities, strict=True
@@ -124,8 +115,6 @@ class LLM:
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(
             total=len(request_ids),
@@ -139,3 +128,11 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[r] for r in request_ids]
+
+
+def _per_prompt(name: str, values: Iterable, num_prompts: int) -> list:
+    """`values` as a list, which must hold one entry per prompt (ValueError otherwise)."""
+    values = list(values)
+    if len(values) != num_prompts:
+        raise ValueError(f"{name} has {len(values)} entries for {num_prompts} prompts")
+    return values

@@ -83,7 +83,7 @@ class Tokenizer:
             return self._byte_level_tables[skip_special_tokens]
         special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
         table = []
-        for token_id in range(self._tokenizer.get_vocab_size(with_added_tokens=True)):
+        for token_id in range(self.vocab_size):
             piece = self._tokenizer.id_to_token(token_id)
             if piece is None or (skip_special_tokens and token_id in special):
                 table.append(b"")
@@ -91,8 +91,7 @@ class Tokenizer:
                 table.append(bytes(alphabet[c] for c in piece))
             else:
                 table.append(piece.encode())
-        self._byte_level_tables[skip_special_tokens] = tuple(table)
-        return self._byte_level_tables[skip_special_tokens]
+        return self._byte_level_tables.setdefault(skip_special_tokens, tuple(table))
 
 
 class IncrementalDetokenizer:
@@ -124,25 +123,22 @@ class IncrementalDetokenizer:
         """Consumes the newest token(s) of `output_token_ids`; returns the new complete text."""
         if self._tokenizer is None:
             return ""
+        new = output_token_ids[self._num_consumed :]
+        self._num_consumed = len(output_token_ids)
         table = self._table
         if table is not None:
             size = len(table)
-            new = output_token_ids[self._num_consumed :]
-            self._num_consumed = len(output_token_ids)
-            data = b"".join([table[t] if t < size else b"" for t in new])
-            delta = self._utf8.decode(data)
-            self.text += delta
-            return delta
-        chunks = []
-        for token_id in output_token_ids[self._num_consumed :]:
-            chunk = self._stream.step(self._tokenizer.raw, token_id)
-            if chunk is None:
-                self._num_held += 1
-            else:
-                chunks.append(chunk)
-                self._num_held = 0
-        self._num_consumed = len(output_token_ids)
-        delta = "".join(chunks)
+            delta = self._utf8.decode(b"".join([table[t] if t < size else b"" for t in new]))
+        else:
+            chunks = []
+            for token_id in new:
+                chunk = self._stream.step(self._tokenizer.raw, token_id)
+                if chunk is None:
+                    self._num_held += 1
+                else:
+                    chunks.append(chunk)
+                    self._num_held = 0
+            delta = "".join(chunks)
         self.text += delta
         return delta
 
