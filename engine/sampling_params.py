@@ -311,8 +311,7 @@ class BeamSearchParams(GenerationParams):
         ):
             raise ParameterError(
                 "num_return_sequences",
-                "num_return_sequences must be in "
-                f"[1, beam_width={self.beam_width}], got "
+                f"num_return_sequences must be in [1, beam_width={self.beam_width}], got "
                 f"{self.num_return_sequences}",
             )
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

@@ -57,13 +57,6 @@ class StructuredOutputsParams:
                 "structured_outputs must set exactly one of json, regex, choice, grammar or "
                 f"json_object, got {given or 'none'}",
             )
-        self._check_types()
-        if len(self.text) > MAX_CONSTRAINT_CHARS:
-            raise ParameterError(
-                self.field, f"{self.field} is longer than {MAX_CONSTRAINT_CHARS} characters"
-            )
-
-    def _check_types(self) -> None:
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ParameterError(self.field, "structured_outputs.json must be a JSON schema")
         for name in ("regex", "grammar"):
@@ -80,6 +73,10 @@ class StructuredOutputsParams:
             )
         if self.json_object is not None and self.json_object is not True:
             raise ParameterError(self.field, "structured_outputs.json_object must be true")
+        if len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise ParameterError(
+                self.field, f"{self.field} is longer than {MAX_CONSTRAINT_CHARS} characters"
+            )
 
     @property
     def kind(self) -> str:

@@ -54,10 +54,7 @@ class InputProcessor:
             if params.bad_words:
                 bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:
-            if self.tokenizer is None:  # the worker masks through the tokenizer's tokens
-                raise ParameterError(
-                    "structured_outputs", "structured_outputs: this model has no tokenizer.json"
-                )
+            self._tokenizer_for("structured_outputs")  # the worker masks through its tokens
             grammar = compile_grammar(params.structured_outputs)
         self._validate(token_ids, params, bad_words_token_ids)
         return ProcessedPrompt(text, token_ids, grammar, bad_words_token_ids)
@@ -65,12 +62,11 @@ class InputProcessor:
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's rule: each word as tokenized at the start of a text and after a space (the
         second only when it differs in its first token but not in length)."""
-        if self.tokenizer is None:
-            raise ParameterError("bad_words", "bad_words: this model has no tokenizer.json")
+        tokenizer = self._tokenizer_for("bad_words")
         found: list[list[int]] = []
         for word in words:
-            plain = self.tokenizer.encode(word.lstrip())
-            spaced = self.tokenizer.encode(" " + word.lstrip())
+            plain = tokenizer.encode(word.lstrip())
+            spaced = tokenizer.encode(" " + word.lstrip())
             found.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 found.append(spaced)
@@ -116,13 +112,15 @@ class InputProcessor:
     def _stop_token_ids(self, params: GenerationParams) -> list[int]:
         return stop_token_set(params.stop_token_ids, params.ignore_eos, self.limits.eos_token_ids)
 
+    def _tokenizer_for(self, param: str, hint: str = "") -> Tokenizer:
+        """The tokenizer `param` needs; ParameterError naming it for a model without one."""
+        if self.tokenizer is None:
+            raise ParameterError(param, f"{param}: this model has no tokenizer.json{hint}")
+        return self.tokenizer
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ParameterError(
-                    "prompt", "prompt: this model has no tokenizer.json; pass token ids"
-                )
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._tokenizer_for("prompt", "; pass token ids").encode(prompt)
         if not isinstance(prompt, list | tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):

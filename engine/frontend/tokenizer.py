@@ -150,15 +150,14 @@ class IncrementalDetokenizer:
         delta = self.step(output_token_ids)
         if self._table is not None:
             tail = self._utf8.decode(b"", final=True)
-            self.text += tail
-            return delta + tail
-        if self._num_held:
+        elif self._num_held:
             held = output_token_ids[len(output_token_ids) - self._num_held :]
             tail = self._tokenizer.decode(held, self._skip_special_tokens)
             self._num_held = 0
-            self.text += tail
-            delta += tail
-        return delta
+        else:
+            return delta
+        self.text += tail
+        return delta + tail
 
 
 def load_tokenizer(model: str, load_format: str) -> Tokenizer | None:
