@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ _BUCKET_STEP = 16
 PAD_SLOT = -1
 PAD_SEQ_LEN = 1
 NULL_BLOCK = 0
+T = TypeVar("T")
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
@@ -46,6 +49,18 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def capture_graph(work: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`work` captured as a CUDA graph in memory pool `pool` (None: a new one, which the
+    graph's `pool()` then shares), after one eager run outside the capture (Triton compiles
+    its kernels then): the graph and what its captured run returned (its output buffers)."""
+    work()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = work()
+    return graph, out
 
 
 class DecodeInputBuffers:
@@ -93,10 +108,6 @@ class DecodeInputBuffers:
         # Recorded after each load's copies: the mirrors are rewritten only once read.
         self._copied = torch.cuda.Event() if pin else None
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.buckets[-1]
-
     def bucket(self, num_seqs: int) -> int:
         """The smallest bucket holding num_seqs rows (num_seqs <= max_batch_size)."""
         return next(b for b in self.buckets if b >= num_seqs)
@@ -135,23 +146,6 @@ class DecodeInputBuffers:
             self._copied.record()
         return size
 
-    def load_batch(self, batch: HostBatch, pending: PendingInputs | None) -> int:
-        """`load` of a decode-only HostBatch, its unknown input tokens then filled in on the
-        device from `pending`; returns the bucket size."""
-        size = self.load(
-            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-            batch.seq_lens,
-        )  # fmt: skip
-        if pending is not None:
-            self.tokens[0].index_copy_(0, pending.rows, pending.tokens)
-        return size
-
-    def input_ids(self, size: int) -> torch.Tensor:
-        return self.tokens[0, :size]
-
-    def positions(self, size: int) -> torch.Tensor:
-        return self.tokens[1, :size]
-
     def metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :size],
@@ -174,7 +168,8 @@ def forward_bucket(
     model: GPT2LMHeadModel, kv_cache: torch.Tensor, buffers: DecodeInputBuffers, size: int
 ) -> torch.Tensor:
     """Hidden states [size, C] of every row of the bucket in `buffers`: the captured work."""
-    return model(buffers.input_ids(size), buffers.positions(size), kv_cache, buffers.metadata(size))
+    input_ids, positions = buffers.tokens[:2, :size]
+    return model(input_ids, positions, kv_cache, buffers.metadata(size))
 
 
 class DecodeGraphs:
@@ -200,6 +195,7 @@ class DecodeGraphs:
     ):
         self.model = model
         self.kv_cache = kv_cache
+        self.max_batch_size = max_batch_size
         self.buffers = DecodeInputBuffers(
             max_batch_size, max_model_len, block_size, model.config.n_head, kv_cache.device
         )
@@ -208,10 +204,6 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.buffers.max_batch_size
-
     @torch.inference_mode()
     def _capture(self) -> None:
         """Captures every bucket, largest first, all sharing one memory pool. The buffers
@@ -219,16 +211,9 @@ class DecodeGraphs:
         pool = None
         with collector_paused():
             for size in reversed(self.buffers.buckets):
-                # Compile the kernels and warm up outside the capture.
-                forward_bucket(self.model, self.kv_cache, self.buffers, size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.hidden[size] = forward_bucket(
-                        self.model, self.kv_cache, self.buffers, size
-                    )
-                pool = graph.pool()
-                self.graphs[size] = graph
+                work = partial(forward_bucket, self.model, self.kv_cache, self.buffers, size)
+                graph, self.hidden[size] = capture_graph(work, pool)
+                pool, self.graphs[size] = graph.pool(), graph
         torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -236,7 +221,12 @@ class DecodeGraphs:
         """Hidden states [batch.num_seqs, C] of a decode-only batch (`batch.is_uniform_decode`),
         its unknown input tokens filled in on the device from `pending`. Replayed, the
         result is a view of graph memory, valid until the next replay."""
-        size = self.buffers.load_batch(batch, pending)
+        size = self.buffers.load(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.seq_lens,
+        )  # fmt: skip
+        if pending is not None:
+            self.buffers.tokens[0].index_copy_(0, pending.rows, pending.tokens)
         if not self.graphs:  # not captured: the same work, op by op
             return forward_bucket(self.model, self.kv_cache, self.buffers, size)[: batch.num_seqs]
         self.graphs[size].replay()

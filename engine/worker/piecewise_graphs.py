@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from octavo.engine.worker.attention.backend import AttentionMetadata
-from octavo.engine.worker.cuda_graphs import collector_paused
+from octavo.engine.worker.cuda_graphs import capture_graph, collector_paused
 from octavo.engine.worker.models.gpt2 import GPT2Block, GPT2LMHeadModel
 
 # Token buckets: powers of two up to this, then its multiples.
@@ -75,6 +75,7 @@ class PiecewiseGraphs:
         self.model = model
         self.blocks = cast(list[GPT2Block], list(model.h))
         self.kv_cache = kv_cache
+        self.max_num_tokens = max_num_tokens
         self.buckets = token_buckets(max_num_tokens)
         largest = self.buckets[-1]
         config = model.config
@@ -87,10 +88,6 @@ class PiecewiseGraphs:
         self.hidden = torch.zeros((largest, config.n_embd), dtype=dtype, device=device)
         self.pieces: dict[int, list[_Piece]] = {}
         self._capture_all(capture)
-
-    @property
-    def max_num_tokens(self) -> int:
-        return self.buckets[-1]
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding num_tokens rows (num_tokens <= max_num_tokens)."""
@@ -123,8 +120,8 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture_all(self, capture: bool) -> None:
-        """Every bucket's pieces, largest first. Each piece runs once eagerly before its
-        capture (Triton compiles its kernels outside the capture)."""
+        """Every bucket's pieces; with `capture`, each captured (capture_graph), largest
+        bucket first, all in one memory pool."""
         if not capture:
             for size in self.buckets:
                 self.pieces[size] = [_Piece(work, None) for work in self._work(size)]
@@ -134,11 +131,7 @@ class PiecewiseGraphs:
             for size in reversed(self.buckets):
                 pieces = []
                 for work in self._work(size):
-                    work()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        work()
+                    graph, _ = capture_graph(work, pool)
                     pool = graph.pool()
                     pieces.append(_Piece(work, graph))
                 self.pieces[size] = pieces
