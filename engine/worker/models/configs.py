@@ -7,7 +7,7 @@ them, and only the engine core, which builds the model (registry.py), imports to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 # The MLP activations the model computes (gpt2.ACTIVATIONS implements each): every
@@ -111,34 +111,24 @@ class GPT2Config:
             raise ValueError(
                 f"config.json: add_cross_attention={cfg['add_cross_attention']!r} is not supported"
             )
-        n_embd, n_head = cfg.get("n_embd", 768), cfg.get("n_head", 12)
+        values = cls._hf_fields(cfg)
+        n_embd, n_head = values["n_embd"], values["n_head"]
         if n_embd % n_head:
             raise ValueError(f"config.json: n_embd={n_embd} is not divisible by n_head={n_head}")
         try:
-            return cls(**cls._hf_fields(cfg))
+            return cls(**values)
         except ValueError as exc:
             raise ValueError(f"config.json: {exc}") from exc
 
     @classmethod
     def _hf_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        """This class's fields from config.json, with HF's defaults for absent keys."""
-        return {
-            "vocab_size": cfg.get("vocab_size", 50257),
-            "n_positions": cfg.get("n_positions", 1024),
-            "n_embd": cfg.get("n_embd", 768),
-            "n_layer": cfg.get("n_layer", 12),
-            "n_head": cfg.get("n_head", 12),
-            "n_inner": cfg.get("n_inner"),
-            "layer_norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
-            "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
-            "bos_token_id": cfg.get("bos_token_id"),
-            "eos_token_id": cfg.get("eos_token_id"),
-            "activation_function": cfg.get("activation_function", cls.activation_function),
-            "scale_attn_weights": bool(cfg.get("scale_attn_weights", True)),
-            "scale_attn_by_inverse_layer_idx": bool(
-                cfg.get("scale_attn_by_inverse_layer_idx", False)
-            ),
-        }
+        """This class's fields from config.json, with HF's defaults for absent keys: the
+        class's own, but no BOS or EOS token (the class's are GPT-2's, for dummy presets)."""
+        values = {f.name: cfg.get(f.name, f.default) for f in fields(cls)}
+        values |= {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}
+        for flag in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx"):
+            values[flag] = bool(values[flag])
+        return values
 
 
 @dataclass(frozen=True)
@@ -166,9 +156,9 @@ class GPTBigCodeConfig(GPT2Config):
 
     @classmethod
     def _hf_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        fields = super()._hf_fields(cfg)
-        del fields["scale_attn_by_inverse_layer_idx"]  # a GPT-2 flag GPTBigCode never reads
-        return fields | {"multi_query": bool(cfg.get("multi_query", True))}
+        # scale_attn_by_inverse_layer_idx: a GPT-2 flag GPTBigCode never reads.
+        values = super()._hf_fields(cfg) | {"scale_attn_by_inverse_layer_idx": False}
+        return values | {"multi_query": bool(values["multi_query"])}
 
 
 CONFIGS: dict[str, type[GPT2Config]] = {
