@@ -26,7 +26,7 @@ from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInput
 from octavo.engine.worker.lora import LoRAManager
 from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from octavo.engine.worker.piecewise_graphs import PiecewiseGraphs
-from octavo.engine.worker.sampler import SampledTokens, Sampler
+from octavo.engine.worker.sampler import SampledTokens, Sampler, logprob_entry
 from octavo.engine.worker.step_inputs import StepInputs, on_device
 
 # Prompt logprobs are reduced this many positions at a time (a pass holds [rows, vocab]
@@ -48,16 +48,11 @@ class TopLogprobs:
 
     def to_host(self) -> PromptLogprobs:
         """{token_id: logprob} per position, the token that came first, and its rank."""
-        entries = []
-        for token, logprob, values, ids in zip(
-            self.token_ids.tolist(), self.logprobs.tolist(), self.top_values.tolist(),
-            self.top_ids.tolist(), strict=True,
-        ):  # fmt: skip
-            entry = {token: logprob}
-            for top_id, value in zip(ids, values, strict=True):
-                entry.setdefault(top_id, value)
-            entries.append(entry)
-        return PromptLogprobs(entries, self.ranks.tolist())
+        rows = zip(
+            self.token_ids.tolist(), self.logprobs.tolist(), self.top_ids.tolist(),
+            self.top_values.tolist(), strict=True,
+        )  # fmt: skip
+        return PromptLogprobs([logprob_entry(*row) for row in rows], self.ranks.tolist())
 
 
 class StepFuture:
@@ -72,25 +67,24 @@ class StepFuture:
         sampled: SampledTokens | None,
         beam_seq_ids: list[int],
         candidates: tuple[torch.Tensor, torch.Tensor] | None,
-        prompt_logprobs: dict[int, TopLogprobs] | None = None,
-        record: Callable[[list[int], list[int]], GrammarProgress] | None = None,
+        prompt_logprobs: dict[int, TopLogprobs],
+        record: Callable[[list[int], list[int]], GrammarProgress],
     ):
         self.sampled_seq_ids = sampled_seq_ids
         self._record = record
         # Read with a blocking copy in result(): requests that ask for prompt logprobs run
         # without the one-step lag (the core applies their steps before the next).
-        self._prompt_logprobs = prompt_logprobs or {}
+        self._prompt_logprobs = prompt_logprobs
         self.beam_seq_ids = beam_seq_ids
         tensors = [] if sampled is None else sampled.tensors
         num_sampled = len(tensors)
         tensors += [] if candidates is None else list(candidates)
         self._event = None
         if tensors and tensors[0].device.type == "cuda":
-            host = []
-            for tensor in tensors:
-                pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                host.append(pinned.copy_(tensor, non_blocking=True))
-            tensors = host
+            tensors = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in tensors
+            ]
             self._event = torch.cuda.Event()
             self._event.record()
         self._sampled = None if sampled is None else sampled.with_tensors(tensors[:num_sampled])
@@ -100,13 +94,8 @@ class StepFuture:
         if self._event is not None:
             self._event.synchronize()
         sampled = SamplerOutput([], [], []) if self._sampled is None else self._sampled.to_host()
-        grammar = GrammarProgress()
-        if self._record is not None:
-            grammar = self._record(self.sampled_seq_ids, sampled.token_ids)
-        candidates = None
-        if self._candidates:
-            values, token_ids = self._candidates
-            candidates = BeamCandidates(values, token_ids)
+        grammar = self._record(self.sampled_seq_ids, sampled.token_ids)
+        candidates = BeamCandidates(*self._candidates) if self._candidates else None
         prompt = {seq_id: top.to_host() for seq_id, top in self._prompt_logprobs.items()}
         return ModelRunnerOutput(
             self.sampled_seq_ids, sampled, self.beam_seq_ids, candidates, prompt, grammar
@@ -157,9 +146,8 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
         kv_width = model_config.num_kv_heads * model_config.head_dim
-        return 2 * model_config.n_layer * block_size * kv_width * element
+        return 2 * model_config.n_layer * block_size * kv_width * dtype.itemsize
 
     def capture_cuda_graphs(
         self, max_batch_size: int, max_model_len: int, piecewise_max_tokens: int | None
@@ -177,13 +165,12 @@ class ModelRunner:
             else PiecewiseGraphs(self.model, self.kv_cache, piecewise_max_tokens, capture=True),
         )  # fmt: skip
 
-    def use_fused_decode(self) -> bool:
+    def use_fused_decode(self) -> None:
         """Runs uniform decodes of a few sequences as one fused operator call (CPU), where
-        the model allows it (FusedDecode.build); whether it does."""
+        the model allows it (FusedDecode.build)."""
         fused = FusedDecode.build(self.model, self.kv_cache)
         if fused is not None:
             self.dispatcher = CudagraphDispatcher(fused)
-        return fused is not None
 
     def add_lora(self, request: LoRARequest) -> None:
         """Checks and loads a request's adapter; ParameterError naming what is wrong."""
@@ -210,17 +197,13 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if not len(batch.logits_rows):  # a step of prefill chunks that sample nothing yet
             self._last_sampled = None
-            return StepFuture([], None, [], None, prompt_logprobs)
+            return StepFuture([], None, [], None, prompt_logprobs, self.input_batch.record_sampled)
         if not uniform_decode:  # a uniform decode's rows are its logits rows, in order
             hidden = hidden[on_device(batch.logits_rows, self.device)]
         logits = self.model.compute_logits(hidden)
         num_sampled = len(batch.sampling)
-        sampled = None
-        if num_sampled:
-            sampled = self.sampler(logits[:num_sampled], batch.sampling)
-            self._last_sampled = (sampled.token_ids, batch.sampled_seq_ids)
-        else:
-            self._last_sampled = None
+        sampled = self.sampler(logits[:num_sampled], batch.sampling) if num_sampled else None
+        self._last_sampled = None if sampled is None else (sampled.token_ids, batch.sampled_seq_ids)
         candidates = None
         if batch.beam_seq_ids:
             logprobs = torch.log_softmax(logits[num_sampled:].float(), dim=-1)
@@ -235,8 +218,6 @@ class ModelRunner:
         """Leaves each constrained beam only the tokens its grammar allows next, after the
         log-softmax, as Hugging Face applies a logits processor in beam search."""
         matchers = self.input_batch.beam_matchers
-        if not matchers:
-            return
         rows = [i for i, seq_id in enumerate(beam_seq_ids) if seq_id in matchers]
         if rows:
             states = [matchers[beam_seq_ids[i]] for i in rows]
@@ -276,11 +257,8 @@ class ModelRunner:
             # step (rows are increasing, so the last one places them all): no copy, no gather.
             return PendingInputs(self._leading_rows[: len(rows)], tokens)
         row_of = {seq_id: row for row, seq_id in enumerate(seq_ids)}
-        sources = np.array([row_of[s] for s in batch.pending_seq_ids], dtype=np.int64)
-        return PendingInputs(
-            on_device(batch.pending_rows, self.device),
-            tokens[on_device(sources, self.device)],
-        )
+        sources = np.array([row_of[s] for s in pending], dtype=np.int64)
+        return PendingInputs(on_device(rows, self.device), tokens[on_device(sources, self.device)])
 
     def _forward(
         self, batch: HostBatch, pending: PendingInputs | None, uniform_decode: bool
@@ -294,12 +272,11 @@ class ModelRunner:
         if mode is CUDAGraphMode.FULL:
             assert self.dispatcher.full is not None
             return self.dispatcher.full.run(batch, pending)
-        metadata = batch.attention_metadata(self.device, self.block_size)
+        metadata = self.backend.prepare(batch.attention_metadata(self.device, self.block_size))
         input_ids = on_device(batch.input_ids, self.device)
         if pending is not None:
             input_ids = input_ids.index_copy(0, pending.rows, pending.tokens)
         positions = on_device(batch.positions, self.device)
-        metadata = self.backend.prepare(metadata)
         if mode is CUDAGraphMode.PIECEWISE:
             assert self.dispatcher.piecewise is not None
             return self.dispatcher.piecewise.forward(input_ids, positions, metadata)
@@ -315,11 +292,8 @@ def allocate_kv_cache(
     first written, and the prefix cache keeps every block it filled until the free ones run
     out: the process grew by a block for each block of new content until the whole cache was
     in memory."""
-    return torch.zeros(
-        (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-        dtype=dtype,
-        device=device,
-    )
+    shape = (config.n_layer, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @torch.inference_mode()

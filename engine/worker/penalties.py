@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from octavo.engine.worker.sampler import MAX_TEMPERABLE_LOGIT
+from octavo.engine.worker.sampling_batch import SamplingBatch
 from octavo.engine.worker.step_inputs import on_device
 
 
@@ -31,18 +32,15 @@ class PenaltyCounts:
     def reset(self, slot: int, capacity: int, prompt_token_ids: list[int]) -> None:
         """Starts slot `slot` (of `capacity` column slots) for a new sequence: no token
         sampled, the prompt's tokens seen."""
-        if len(self.output_counts) < capacity:
-            self._grow(capacity)
+        old = len(self.output_counts)
+        if old < capacity:
+            counts = torch.zeros((capacity, self.vocab_size), dtype=torch.int32, device=self.device)
+            seen = torch.zeros((capacity, self.vocab_size), dtype=torch.bool, device=self.device)
+            counts[:old], seen[:old] = self.output_counts, self.seen
+            self.output_counts, self.seen = counts, seen
         self.output_counts[slot] = 0
         self.seen[slot] = False
         self.seen[slot, on_device(prompt_token_ids, self.device, torch.long)] = True
-
-    def _grow(self, capacity: int) -> None:
-        old = len(self.output_counts)
-        counts = torch.zeros((capacity, self.vocab_size), dtype=torch.int32, device=self.device)
-        seen = torch.zeros((capacity, self.vocab_size), dtype=torch.bool, device=self.device)
-        counts[:old], seen[:old] = self.output_counts, self.seen
-        self.output_counts, self.seen = counts, seen
 
     def count(self, slots: np.ndarray, token_ids: torch.Tensor) -> None:
         """One more sample of `token_ids[i]` (on the device) for the sequence in `slots[i]`
@@ -51,33 +49,25 @@ class PenaltyCounts:
         self.output_counts[at] += 1
         self.seen[at] = True
 
-    def apply(
-        self,
-        logits: torch.Tensor,
-        rows: np.ndarray,
-        slots: np.ndarray,
-        repetition: np.ndarray,
-        frequency: np.ndarray,
-        presence: np.ndarray,
-    ) -> None:
-        """Penalizes rows `rows` of `logits` [N, vocab] in place, row rows[i] for the
-        sequence in slots[i] with the penalties [i].
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """Penalizes the penalized rows of `batch` in `logits` [R, vocab] (one row per row of
+        the batch), in place, each with its sequence's penalties and counts.
 
         Only a row's seen tokens change, and they are few next to the vocabulary: they are
         gathered, penalized and scattered back, which on CPU costs a fraction of penalizing
         [rows, vocab] densely. Finding them (`nonzero`) waits for the device on CUDA, as a
         step that applies every token first would.
         """
-        device = logits.device
-        slots_on_device = on_device(slots, device)
-        which, tokens = self.seen[slots_on_device].nonzero(as_tuple=True)
+        device, rows = logits.device, batch.penalized_rows
+        slots = on_device(batch.slots[rows], device)
+        which, tokens = self.seen[slots].nonzero(as_tuple=True)
         at = (on_device(rows, device)[which], tokens)
         logits[at] = apply_penalties(
             logits[at],
-            self.output_counts[slots_on_device[which], tokens],
-            on_device(repetition, device)[which],
-            on_device(frequency, device)[which],
-            on_device(presence, device)[which],
+            self.output_counts[slots[which], tokens],
+            on_device(batch.repetition_penalty[rows], device)[which],
+            on_device(batch.frequency_penalty[rows], device)[which],
+            on_device(batch.presence_penalty[rows], device)[which],
         )
 
 

@@ -36,11 +36,8 @@ class SampledTokens:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [
-            t
-            for t in (self.token_ids, self.logprobs, self.top_values, self.top_ids)
-            if t is not None
-        ]
+        tensors = (self.token_ids, self.logprobs, self.top_values, self.top_ids)
+        return [t for t in tensors if t is not None]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> SampledTokens:
         """The same results over other copies of `tensors` (host copies, in order)."""
@@ -61,14 +58,20 @@ class SampledTokens:
         values, ids = self.top_values.tolist(), self.top_ids.tolist()
         logprobs: list[float | None] = [None] * len(token_ids)
         for i, n in enumerate(self.num_top):
-            if n is None:
-                continue
-            logprobs[i] = row_logprobs[i]
-            entry = {token_ids[i]: row_logprobs[i]}
-            for token, value in zip(ids[i][:n], values[i][:n], strict=True):
-                entry.setdefault(token, value)
-            top[i] = entry
+            if n is not None:
+                logprobs[i] = row_logprobs[i]
+                top[i] = logprob_entry(token_ids[i], row_logprobs[i], ids[i][:n], values[i][:n])
         return SamplerOutput(token_ids, logprobs, top)
+
+
+def logprob_entry(
+    token_id: int, logprob: float, top_ids: list[int], top_values: list[float]
+) -> dict[int, float]:
+    """{token_id: logprob}, then each of the best tokens not already there, best first."""
+    entry = {token_id: logprob}
+    for top_id, value in zip(top_ids, top_values, strict=True):
+        entry.setdefault(top_id, value)
+    return entry
 
 
 class Sampler:
@@ -98,8 +101,7 @@ class Sampler:
             return SampledTokens(argmax_rows(logits))
         logits = logits.float()
         num_top = batch.num_top
-        want_logprobs = bool((num_top != NO_LOGPROBS).any())
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logprobs = torch.log_softmax(logits, dim=-1) if (num_top != NO_LOGPROBS).any() else None
         logits = self._process(logits, batch)
         sampled = argmax_rows(logits)
         random_rows = np.flatnonzero(~batch.greedy)
@@ -129,14 +131,7 @@ class Sampler:
         for i in processed.tolist():
             logits[i] = self._process_row(logits[i], batch.states[i], int(batch.num_sampled[i]))
         if len(penalized):
-            batch.penalties.apply(
-                logits,
-                penalized,
-                batch.slots[penalized],
-                batch.repetition_penalty[penalized],
-                batch.frequency_penalty[penalized],
-                batch.presence_penalty[penalized],
-            )
+            batch.penalties.apply(logits, batch)
         if len(constrained):
             matchers = [batch.states[i].matcher for i in constrained.tolist()]
             self.grammars.apply_masks(logits, constrained, matchers)  # type: ignore[arg-type]
@@ -169,12 +164,9 @@ class Sampler:
     def _bad_words_mask(request: SamplingState) -> list[int]:
         """The last token of each bad word whose other tokens end the output so far (a
         one-token word: always)."""
-        words = request.bad_words_token_ids
-        if not words:
-            return []
         output = request.output_token_ids
         banned = []
-        for word in words:
+        for word in request.bad_words_token_ids:
             *prefix, last = word
             if not prefix or output[len(output) - len(prefix) :] == prefix:
                 banned.append(last)
@@ -218,10 +210,8 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
 def apply_min_p(logits: torch.Tensor, min_p: np.ndarray | list[float]) -> torch.Tensor:
     """Masks tokens whose probability is below min_p x the top token's probability."""
     probs = torch.softmax(logits, dim=-1)
-    threshold = (
-        probs.max(dim=-1, keepdim=True).values
-        * on_device(min_p, probs.device, probs.dtype)[:, None]
-    )
+    fraction = on_device(min_p, probs.device, probs.dtype)[:, None]
+    threshold = probs.max(dim=-1, keepdim=True).values * fraction
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 

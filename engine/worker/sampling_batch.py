@@ -24,14 +24,20 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 class _Column:
-    """A SamplingBatch attribute that is the step's rows of the column of its name, gathered
-    when first read and kept on the batch."""
+    """A SamplingBatch attribute gathered when first read and kept on the batch: the step's
+    rows of the column of its name or, with `rows_of`, the indices of the step's rows whose
+    flag in column `rows_of` is set."""
+
+    def __init__(self, rows_of: str | None = None):
+        self.rows_of = rows_of
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, batch: SamplingBatch, owner: type | None = None) -> np.ndarray:
-        rows = getattr(batch.columns, self.name)[batch.slots]
+        rows = getattr(batch.columns, self.rows_of or self.name)[batch.slots]
+        if self.rows_of is not None:
+            rows = np.flatnonzero(rows)
         batch.__dict__[self.name] = rows  # a non-data descriptor: the next read is the value
         return rows
 
@@ -62,6 +68,10 @@ class SamplingBatch:
     repetition_penalty = _Column()
     frequency_penalty = _Column()
     presence_penalty = _Column()
+    processed_rows = _Column(rows_of="processes_logits")
+    penalized_rows = _Column(rows_of="penalized")
+    seeded_rows = _Column(rows_of="seeded")
+    constrained_rows = _Column(rows_of="constrained")
 
     def __init__(
         self,
@@ -81,23 +91,6 @@ class SamplingBatch:
     @cached_property
     def all_plain_greedy(self) -> bool:
         return bool(self.columns.plain_greedy[self.slots].all())
-
-    @cached_property
-    def processed_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.columns.processes_logits[self.slots])
-
-    @cached_property
-    def penalized_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.columns.penalized[self.slots])
-
-    @cached_property
-    def seeded_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.columns.seeded[self.slots])
-
-    @cached_property
-    def constrained_rows(self) -> np.ndarray:
-        """The rows whose structured-output grammar masks their logits."""
-        return np.flatnonzero(self.columns.constrained[self.slots])
 
 
 class SamplingColumns:

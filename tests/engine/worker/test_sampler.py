@@ -90,11 +90,7 @@ def test_min_p_masks_below_a_fraction_of_the_top_probability():
 def penalized(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """`logits` [R, vocab] with the penalties of every penalized row of `rows` applied."""
     out = logits.clone()
-    which = rows.penalized_rows
-    rows.penalties.apply(
-        out, which, rows.slots[which], rows.repetition_penalty[which],
-        rows.frequency_penalty[which], rows.presence_penalty[which],
-    )  # fmt: skip
+    rows.penalties.apply(out, rows)
     return out
 
 
