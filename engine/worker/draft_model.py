@@ -103,33 +103,32 @@ class DraftModelProposer:
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Each request's draft: up to `num_tokens` tokens (fewer or none where the cache,
         the catch-up budget or the model's positions fall short)."""
-        rows: list[_Row | None] = [self._plan(request) for request in requests]
+        active = []
         budget = self.max_num_tokens
-        for i, row in enumerate(rows):
+        for i, request in enumerate(requests):
+            row = self._plan(request)
             if row is None:
                 continue
             if len(row.input_ids) > budget:  # a catch-up this step cannot finish
                 row.input_ids = row.input_ids[:budget]
                 row.num_tokens = 0
             budget -= len(row.input_ids)
-            if not row.input_ids:
-                rows[i] = None
+            if row.input_ids:
+                # The first forward caches these inputs, the sequence's own tokens.
+                row.state.num_confirmed = len(row.state.cached) + len(row.input_ids)
+                active.append((i, row))
         drafts: list[list[int]] = [[] for _ in requests]
-        active = [(i, row) for i, row in enumerate(rows) if row is not None]
-        first = True
         while active:
             next_tokens = self._forward([row for _, row in active])
             still = []
             for (i, row), token in zip(active, next_tokens, strict=True):
-                if first:  # the inputs were the sequence's own tokens
-                    row.state.num_confirmed = len(row.state.cached)
                 if not row.num_tokens:
                     continue
                 drafts[i].append(token)
                 if len(drafts[i]) < row.num_tokens:
                     row.input_ids = [token]  # its K/V is computed by the next forward
                     still.append((i, row))
-            active, first = still, False
+            active = still
         return drafts
 
     def _plan(self, request: DraftRequest) -> _Row | None:
@@ -184,7 +183,4 @@ class DraftModelProposer:
         tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         for row in ordered:
             row.state.cached += row.input_ids
-        next_tokens = [0] * len(rows)
-        for r, i in enumerate(order):
-            next_tokens[i] = tokens[r]
-        return next_tokens
+        return [tokens[r] for r in np.argsort(order)]  # back in the order of `rows`

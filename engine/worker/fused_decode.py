@@ -30,13 +30,8 @@ def _product(layer: torch.nn.Module) -> list[torch.Tensor] | None:
     if not isinstance(layer, PackedLinear | Int8Linear) or layer.small is None:
         return None
     small = layer.small
-    empty = torch.empty(0)
-    return [
-        small.packed,
-        empty if small.bias is None else small.bias,
-        empty if small.w_scale is None else small.w_scale,
-        empty if small.code_sums128 is None else small.code_sums128,
-    ]
+    optional = (small.bias, small.w_scale, small.code_sums128)
+    return [small.packed, *(torch.empty(0) if t is None else t for t in optional)]
 
 
 def _norm(norm: AddLayerNorm) -> list[torch.Tensor]:
@@ -71,15 +66,8 @@ class FusedDecode:
         for block in blocks:
             if not block.mlp.tanh_gelu:
                 return None
-            products = [
-                _product(layer)
-                for layer in (
-                    block.attn.c_attn,
-                    block.attn.c_proj,
-                    block.mlp.c_fc,
-                    block.mlp.c_proj,
-                )
-            ]
+            layers = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+            products = [_product(layer) for layer in layers]
             if any(p is None for p in products):
                 return None
             attn, proj, fc, mproj = cast(list[list[torch.Tensor]], products)

@@ -4,6 +4,7 @@ and a step's masks applied to its logits in one operation."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -30,22 +31,17 @@ class GrammarMatchers:
         self.tokenizer_file = tokenizer_file
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._tokenizer: LLTokenizer | None = None
         # A fresh matcher per grammar text, most recently used last: building one parses
         # and compiles its grammar, copying one does not.
         self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()
 
-    @property
+    @cached_property
     def tokenizer(self) -> LLTokenizer:
-        if self._tokenizer is None:
-            if self.tokenizer_file is None:  # the front end refuses such requests first
-                raise ValueError("structured outputs need the model's tokenizer.json")
-            self._tokenizer = LLTokenizer(
-                self.tokenizer_file.read_text(),
-                n_vocab=self.vocab_size,
-                eos_token=self.eos_token_id,
-            )
-        return self._tokenizer
+        if self.tokenizer_file is None:  # the front end refuses such requests first
+            raise ValueError("structured outputs need the model's tokenizer.json")
+        return LLTokenizer(
+            self.tokenizer_file.read_text(), n_vocab=self.vocab_size, eos_token=self.eos_token_id
+        )
 
     def matcher(self, grammar: str) -> LLMatcher:
         """A matcher at the start of `grammar` (text the front end compiled and validated).
@@ -75,8 +71,15 @@ class GrammarMatchers:
         base = bitmask.ctypes.data
         for i, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
-        if logits.device.type == "cuda":
-            _apply_on_device(logits, rows, bitmask, vocab)
+        if logits.device.type == "cuda":  # unpacked on the device: a 32x smaller copy
+            packed = on_device(bitmask, logits.device)
+            shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=logits.device)
+            allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+            if len(rows) == logits.shape[0]:
+                logits.masked_fill_(~allowed, float("-inf"))
+            else:
+                index = on_device(rows.astype(np.int64), logits.device)
+                logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
             return
         # Bit i of word w is token 32 w + i: the inverted words' little-endian bytes, each
         # read from its lowest bit, in one pass, are the refused tokens' flags. numpy's
@@ -90,18 +93,3 @@ class GrammarMatchers:
             chosen = values[rows]
             np.copyto(chosen, -np.inf, where=refused)
             values[rows] = chosen
-
-
-def _apply_on_device(
-    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray, vocab: int
-) -> None:
-    """The masks unpacked on the device: a 32x smaller copy."""
-    device = logits.device
-    packed = on_device(bitmask, device)
-    index = on_device(rows.astype(np.int64), device)
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
-    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -14,7 +14,7 @@ from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.penalties import PenaltyCounts
 from octavo.engine.worker.sampling_batch import SamplingBatch, SamplingColumns
 from octavo.engine.worker.sampling_state import SamplingState
-from octavo.engine.worker.step_inputs import StepInputs, count_leading_decodes, token_layout
+from octavo.engine.worker.step_inputs import StepInputs, token_layout
 
 
 @dataclass(kw_only=True)
@@ -129,11 +129,6 @@ class InputBatch:
         self._row_of[seq_id] = row
         return row
 
-    def _drop(self, seq_id: int) -> None:
-        row = self._row_of.pop(seq_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-
     def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> GrammarProgress:
         """Keeps the sampled tokens that reached the host, for the sequences whose sampling
         reads its outputs, and advances each constrained sequence's matcher by its token (a
@@ -160,7 +155,9 @@ class InputBatch:
         go on with, finished sequences, new sampled sequences and new or changed block
         tables."""
         for seq_id in output.freed_seq_ids:
-            self._drop(seq_id)
+            row = self._row_of.pop(seq_id, None)
+            if row is not None:
+                self._free_rows.append(row)
         self._follow_beams(output)
         for seq_id in output.finished_seq_ids:
             self.beam_matchers.pop(seq_id, None)
@@ -218,11 +215,10 @@ class InputBatch:
         rows = np.array([row_of[item.seq_id] for item in scheduled], dtype=np.int64)
         query_lens = np.array([item.num_new_tokens for item in scheduled], dtype=np.int32)
         context_lens = np.array([item.start for item in scheduled], dtype=np.int32)
-        positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables = token_layout(
+        positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables, num_decodes = token_layout(
             context_lens, query_lens, self.block_table, rows, self.block_size
         )
         num_seqs, num_tokens = len(scheduled), len(positions)
-        num_decodes = count_leading_decodes(query_lens, num_tokens)
         # A decode's input token, or PENDING when the previous step sampled it and it is
         # still on the device; every other sequence's chunk of tokens.
         input_ids = np.array(
@@ -247,8 +243,7 @@ class InputBatch:
         if len(requests) == num_seqs and num_tokens == num_seqs:
             logits_rows = last_token  # the steady state: every decode samples once
         else:
-            samples_per_seq = [len(item.sample_seq_ids) for item in scheduled]
-            logits_rows = np.repeat(last_token, samples_per_seq)
+            logits_rows = np.repeat(last_token, [len(item.sample_seq_ids) for item in scheduled])
         beam_seqs = [k for k, item in enumerate(scheduled) if item.beam_top_k]
         if beam_seqs:
             logits_rows = np.concatenate((logits_rows, last_token[beam_seqs]))
@@ -286,12 +281,10 @@ class InputBatch:
             if not item.num_draft_tokens:
                 expanded.append(item)
                 continue
-            for offset, token in enumerate(item.input_token_ids):
-                expanded.append(
-                    ScheduledSequence(
-                        item.seq_id, item.start + offset, 1, [token], item.sample_seq_ids
-                    )
-                )
+            expanded += [
+                ScheduledSequence(item.seq_id, item.start + offset, 1, [token], item.sample_seq_ids)
+                for offset, token in enumerate(item.input_token_ids)
+            ]
         return expanded
 
     @staticmethod

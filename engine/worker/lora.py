@@ -101,12 +101,8 @@ class LoRALinear(nn.Module):
         self.batch = batch
         self.add_lora = add_lora
         # Plain tensors, not buffers: no state dict holds them.
-        shape_a, shape_b = (
-            (max_loras, in_features, padded_rank),
-            (max_loras, padded_rank, out_features),
-        )
-        self.lora_a = torch.zeros(shape_a, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(shape_b, dtype=dtype, device=device)
+        self.lora_a = torch.zeros((max_loras, in_features, padded_rank), dtype=dtype, device=device)
+        self.lora_b = self.lora_a.new_zeros((max_loras, padded_rank, out_features))
 
     def set_slot(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Fills `slot` with (A [rank, in], B [out, rank]) zero-padded, or zeros."""
@@ -140,7 +136,6 @@ class LoRAManager:
         max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
     ):  # fmt: skip
         self.config = config
-        self.max_loras = max_loras
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.batch = LoRABatch()

@@ -46,10 +46,9 @@ class StepInputs:
     ) -> StepInputs:
         """The inputs of sequences whose query_lens [S] tokens (input_ids, in order) follow
         their context_lens [S] cached ones, sequence k's blocks being table[rows[k]]."""
-        positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables = token_layout(
+        positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables, num_decodes = token_layout(
             context_lens, query_lens, table, rows, block_size
         )
-        num_decodes = count_leading_decodes(query_lens, len(positions))
         return cls(
             input_ids, positions, slot_mapping, seq_lens, query_lens, cu_seqlens_q,
             block_tables, num_decodes, decodes_share_sequences=False,
@@ -76,24 +75,18 @@ class StepInputs:
         )
 
 
-def count_leading_decodes(query_lens: np.ndarray, num_tokens: int) -> int:
-    """How many sequences lead the step with one query token each."""
-    if num_tokens == len(query_lens):
-        return num_tokens  # decodes only
-    return int(np.argmax(query_lens != 1))
-
-
 def token_layout(
     context_lens: np.ndarray,
     query_lens: np.ndarray,
     table: np.ndarray,
     rows: np.ndarray,
     block_size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Each token's position and cache slot for sequences whose query_lens [S] tokens follow
     their context_lens [S] cached ones, sequence k's blocks being table[rows[k]]; returns
-    (positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables), as StepInputs holds
-    them. block_size is a power of two."""
+    (positions, slot_mapping, seq_lens, cu_seqlens_q, block_tables, num_decodes), as
+    StepInputs holds them (num_decodes: how many sequences lead with one query token each).
+    block_size is a power of two."""
     num_seqs = len(query_lens)
     seq_lens = context_lens + query_lens
     cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
@@ -102,7 +95,9 @@ def token_layout(
     if num_tokens == num_seqs:  # decodes only: a token per sequence
         positions = context_lens.astype(np.int64)
         token_rows = rows
+        num_decodes = num_seqs
     else:
+        num_decodes = int(np.argmax(query_lens != 1))
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
         offsets = np.arange(num_tokens) - cu_seqlens_q[:-1][seq_of_token]
         positions = context_lens[seq_of_token].astype(np.int64) + offsets
@@ -112,7 +107,7 @@ def token_layout(
     blocks = table[token_rows, positions >> shift].astype(np.int64)
     slot_mapping = (blocks << shift) | (positions & (block_size - 1))
     width = -(-int(seq_lens.max()) // block_size) if num_seqs else 0
-    return positions, slot_mapping, seq_lens, cu_seqlens_q, table[rows, :width]
+    return positions, slot_mapping, seq_lens, cu_seqlens_q, table[rows, :width], num_decodes
 
 
 def on_device(

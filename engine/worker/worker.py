@@ -64,11 +64,6 @@ def load_worker(config: EngineConfig) -> Worker:
     device, dtype = config.torch_device, config.torch_dtype
     _check_device(config, device, dtype)
     backend = make_backend(config)
-    if config.block_size < backend.min_block_size:
-        raise ValueError(
-            f"block_size must be >= {backend.min_block_size} for the "
-            f"{backend.name} attention backend, got {config.block_size}"
-        )
     loaded = load_model(
         config.model, config.load_format, backend, device, dtype, config.seed, config.quantization
     )
@@ -91,11 +86,8 @@ def load_worker(config: EngineConfig) -> Worker:
             config.max_cpu_loras or config.max_loras, dtype, device,
         )  # fmt: skip
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    grammars = GrammarMatchers(
-        tokenizer_file(config.model, config.load_format),
-        model_config.vocab_size,
-        model_config.eos_token_id,
-    )
+    tokenizer = tokenizer_file(config.model, config.load_format)
+    grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_id)
     runner = ModelRunner(
         loaded.model, backend, Sampler(generator, grammars), num_blocks, config.block_size,
         config.max_num_seqs, max_model_len, device, dtype, grammars, lora,
@@ -103,11 +95,8 @@ def load_worker(config: EngineConfig) -> Worker:
     if config.uses_fused_decode:
         runner.use_fused_decode()
     if config.uses_cuda_graphs:
-        runner.capture_cuda_graphs(
-            config.max_num_seqs,
-            max_model_len,
-            config.max_num_batched_tokens if config.uses_piecewise_graphs else None,
-        )
+        piecewise_tokens = config.max_num_batched_tokens if config.uses_piecewise_graphs else None
+        runner.capture_cuda_graphs(config.max_num_seqs, max_model_len, piecewise_tokens)
     drafter = None
     if draft is not None:
         drafter = DraftModelProposer(

@@ -51,7 +51,6 @@ class AttentionBackend(ABC):
     """
 
     name: str
-    min_block_size: int = 1
     # Whether the model's residual adds and LayerNorms run as one Triton kernel each
     # (add_layer_norm): with the Triton backend, the GPU path (the interpreter on CPU).
     fused_layer_norm: bool = False

@@ -59,7 +59,6 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
-    min_block_size = 1
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
         """The plan of `TorchAttentionMetadata` for this step (the first CPU step builds or
@@ -69,21 +68,18 @@ class TorchAttentionBackend(AttentionBackend):
         if len(metadata.slot_mapping) and metadata.slot_mapping.min().item() < 0:
             out.store_rows = (metadata.slot_mapping >= 0).nonzero().squeeze(1)
             out.store_slots = metadata.slot_mapping[out.store_rows]
-        key_slots = self._key_slots(metadata)
-        out.key_slots = key_slots
+        out.key_slots = key_slots = self._key_slots(metadata)
         device = metadata.slot_mapping.device
-        query_lens = metadata.query_lens_host
         num_decodes = metadata.num_decodes
-        if num_decodes and not self._decode_in_place(device):
+        # Decodes go to the decode kernel on a CPU where it is built.
+        if num_decodes and not (device.type == "cpu" and cpu_ops.load()):
             out.decode_slices = [
                 SequenceSlice(i, i + 1, key_slots[i, :seq_len], None)
                 for i, seq_len in enumerate(metadata.seq_lens_host[:num_decodes])
             ]
         start = num_decodes
-        for i, (q_len, seq_len) in enumerate(
-            zip(query_lens[num_decodes:], metadata.seq_lens_host[num_decodes:], strict=True),
-            start=num_decodes,
-        ):
+        for i in range(num_decodes, len(metadata.seq_lens_host)):
+            q_len, seq_len = metadata.query_lens_host[i], metadata.seq_lens_host[i]
             context = seq_len - q_len
             slots = mask = None
             if context:
@@ -95,11 +91,6 @@ class TorchAttentionBackend(AttentionBackend):
             out.sequences.append(SequenceSlice(start, start + q_len, slots, mask))
             start += q_len
         return out
-
-    @staticmethod
-    def _decode_in_place(device: torch.device) -> bool:
-        """Whether decodes go to the decode kernel: on a CPU where it is built."""
-        return device.type == "cpu" and cpu_ops.load()
 
     @staticmethod
     def _key_slots(metadata: AttentionMetadata) -> torch.Tensor:

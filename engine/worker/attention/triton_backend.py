@@ -22,7 +22,6 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-    min_block_size = 1
     fused_layer_norm = True
 
     def forward(
@@ -35,15 +34,13 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        key: torch.Tensor | None = k
-        value: torch.Tensor | None = v
-        slots: torch.Tensor | None = metadata.slot_mapping
-        if metadata.decodes_share_sequences:
+        # Where decode rows share a sequence, every key is stored first: the kernels only read.
+        stored = metadata.decodes_share_sequences
+        if stored:
             # Such steps run eagerly or piecewise, never padded: every slot is a real one.
             num_kv_heads, head_dim = k.shape[1], k.shape[2]
             kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
             kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-            key = value = slots = None  # the cache holds them: the kernels only read
         return paged_attention(
             q,
             kv_cache[0],
@@ -57,9 +54,9 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             num_splits=metadata.decode_num_splits,
             num_decodes=metadata.num_decodes,
-            key=key,
-            value=value,
-            slot_mapping=slots,
+            key=None if stored else k,
+            value=None if stored else v,
+            slot_mapping=None if stored else metadata.slot_mapping,
         )
 
     def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

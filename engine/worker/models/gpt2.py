@@ -89,11 +89,7 @@ class GPT2Attention(nn.Module):
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """c_attn's output [T, qkv_width] as strided views q [T, H, D] and k, v [T, H_kv, D]
         (the backend stores K/V from them directly). GPT-2's is [q | k | v], C wide each."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split(self.n_head * self.head_dim, dim=-1)
-        q = q.view(num_tokens, self.n_head, self.head_dim)
-        k = k.view(num_tokens, self.n_head, self.head_dim)
-        v = v.view(num_tokens, self.n_head, self.head_dim)
+        q, k, v = qkv.view(qkv.shape[0], 3, self.n_head, self.head_dim).unbind(1)
         return q, k, v
 
     def qkv_layout(self) -> tuple[int, int, int, int]:
@@ -288,5 +284,4 @@ class GPT2LMHeadModel(nn.Module):
         greedy batch's argmax needs none (a [S, vocab] copy the size of the product)."""
         if self.lm_head_padded is None:
             return self.lm_head(hidden)
-        logits = linear(hidden, self.lm_head_padded)  # [S, padded vocab]
-        return logits[:, : self.config.vocab_size]
+        return linear(hidden, self.lm_head_padded)[:, : self.config.vocab_size]  # padding dropped

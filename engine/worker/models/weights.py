@@ -90,8 +90,7 @@ def _init_dummy(net: GPT2LMHeadModel, seed: int) -> None:
             elif ".ln_" in name or name.startswith("ln_f"):
                 param.fill_(1.0)
             else:
-                values = torch.randn(param.shape, generator=generator) * DUMMY_INIT_STD
-                param.copy_(values)
+                param.copy_(torch.randn(param.shape, generator=generator) * DUMMY_INIT_STD)
 
 
 def _load_safetensors(net: GPT2LMHeadModel, path: Path, config: GPT2Config) -> None:
