@@ -28,14 +28,12 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from types import FrameType
 
 from octavo.engine.core.core_process import SERVER_STOP_SIGNALS, CoreAddresses, run_engine_core
 from octavo.engine.frontend.core_client import CORE_EXIT_TIMEOUT_S, SharedCore
-from octavo.server.launch import PROMETHEUS_DIR_ENV, build_server, model_threads, run_http_server
+from octavo.server.launch import PROMETHEUS_DIR_ENV, model_threads, run_http_server
 from octavo.server.server_args import ServerArgs
 
 # What the supervisor sends its API processes for each stop signal it receives: a signal
@@ -67,11 +65,11 @@ def serve_with_api_servers(args: ServerArgs, count: int) -> int:
         args=(args.engine, addresses, threads, os.getpid()),
         name="octavo-engine-core",
     )
-    children: list[BaseProcess] = [core]
+    workers: list[BaseProcess] = []
     try:
         core.start()
         assert core.pid is not None, "started"
-        workers: list[BaseProcess] = [
+        workers = [
             context.Process(
                 target=run_api_server,
                 args=(args, SharedCore(addresses, index, core.pid), sockets[index]),
@@ -79,20 +77,14 @@ def serve_with_api_servers(args: ServerArgs, count: int) -> int:
             )
             for index in range(count)
         ]
-        children += workers
         for worker in workers:
             worker.start()
         for sock in sockets:
             sock.close()  # the API processes hold their own
 
-        def forward(signum: int, frame: FrameType | None) -> None:
-            for worker in workers:
-                if worker.is_alive():
-                    os.kill(worker.pid, DRAIN_SIGNAL)  # type: ignore[arg-type]  # started
-
         for signum in SERVER_STOP_SIGNALS:
-            signal.signal(signum, forward)
-        status = _wait_for(workers, forward)
+            signal.signal(signum, lambda *_: _drain(workers))
+        status = _wait_for(workers)
         core.join(CORE_EXIT_TIMEOUT_S)
         if core.is_alive():
             logger.warning("the engine core did not exit; killing it")
@@ -100,16 +92,21 @@ def serve_with_api_servers(args: ServerArgs, count: int) -> int:
             status = 1
         return status
     finally:
-        for child in children:  # anything left (an error above): never an orphan
+        for child in [core, *workers]:  # anything left (an error above): never an orphan
             if child.pid is not None and child.is_alive():
                 child.kill()
                 child.join()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wait_for(
-    workers: list[BaseProcess], drain_all: Callable[[int, FrameType | None], None]
-) -> int:
+def _drain(workers: list[BaseProcess]) -> None:
+    """Sends DRAIN_SIGNAL to every API process still running."""
+    for worker in workers:
+        if worker.is_alive():
+            os.kill(worker.pid, DRAIN_SIGNAL)  # type: ignore[arg-type]  # started
+
+
+def _wait_for(workers: list[BaseProcess]) -> int:
     """Waits for every API process; the first to fail makes the others drain."""
     status = 0
     pending = {worker.sentinel: worker for worker in workers}
@@ -122,7 +119,7 @@ def _wait_for(
             if code != 0 and status == 0:
                 logger.error("%s exited with status %s; stopping the others", worker.name, code)
                 status = code if code > 0 else 1
-                drain_all(DRAIN_SIGNAL, None)
+                _drain(workers)
     return status
 
 
@@ -149,8 +146,7 @@ def run_api_server(args: ServerArgs, shared: SharedCore, sock: socket.socket) ->
         format=f"%(asctime)s %(levelname)s %(name)s[api {shared.client_index}]: %(message)s",
     )
     try:
-        engine, app = build_server(args, shared)
+        sys.exit(run_http_server(args, shared, sock, (DRAIN_SIGNAL,)))
     except ValueError as exc:
         print(f"octavo: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run_http_server(args, engine, app, sock, stop_signals=(DRAIN_SIGNAL,)))

@@ -28,8 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
-    for output in outputs:
+    for output in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         for completion in output.outputs:
             print(f"{output.prompt}{completion.text}")
             print(f"[{completion.finish_reason}, {len(completion.token_ids)} tokens]")

@@ -55,19 +55,31 @@ def _init_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
     return ((field, hints[field.name]) for field in dataclasses.fields(cls) if field.init)
 
 
-def flags(cls: type) -> dict[str, Flag]:
-    """Every flag of dataclass `cls` by name, in field order, those of nested dataclass
-    fields in their place."""
-    found: dict[str, Flag] = {}
+def _walk(
+    cls: type, defaults: Any = None, section: str | None = None
+) -> Iterator[tuple[Flag, Any, str | None]]:
+    """Each flag of dataclass `cls` in field order, those of nested dataclass fields in
+    their place, with its default (the field's value in `defaults`, an instance of `cls`,
+    else the field's default; MISSING: none) and the help section it is listed under (the
+    "group" of its field or of the nearest nested dataclass field that has one, else
+    `section`)."""
     for field, hint in _init_fields(cls):
+        default = getattr(defaults, field.name) if defaults is not None else _default(field)
+        group = field.metadata.get("group", section)
         if dataclasses.is_dataclass(hint):
-            found.update(flags(typing.cast(type, hint)))
+            nested = None if default is dataclasses.MISSING else default
+            yield from _walk(typing.cast(type, hint), nested, group)
             continue
         kind, choices, multiple = _parsed_type(hint)
         if "choices" in field.metadata:
             choices = tuple(field.metadata["choices"])
-        found[field.name] = Flag(field.name, kind, choices, field, multiple)
-    return found
+        yield Flag(field.name, kind, choices, field, multiple), default, group
+
+
+def flags(cls: type) -> dict[str, Flag]:
+    """Every flag of dataclass `cls` by name, in field order, those of nested dataclass
+    fields in their place."""
+    return {flag.name: flag for flag, _, _ in _walk(cls)}
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -102,32 +114,11 @@ def add_flags(
     dataclass field included) is listed under that help section, made on first use. A bool
     that is off by default is `--name`; one on (or decided later) by default also has
     `--no-name`."""
-    _add(parser, parser, cls, defaults, {})
-
-
-def _add(
-    root: argparse.ArgumentParser | argparse._ArgumentGroup,
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls: type,
-    defaults: Any,
-    sections: dict[str, argparse._ArgumentGroup],
-) -> None:
-    """`add_flags`, with `parser` where ungrouped flags go and `root` where sections are
-    made (a nested dataclass's flags go to its field's section)."""
-    own = flags(cls)
-    for field, hint in _init_fields(cls):
-        target = parser
-        if "group" in field.metadata:
-            title = field.metadata["group"]
-            if title not in sections:
-                sections[title] = root.add_argument_group(title)
-            target = sections[title]
-        default = getattr(defaults, field.name) if defaults is not None else _default(field)
-        if dataclasses.is_dataclass(hint):
-            nested = None if default is dataclasses.MISSING else default
-            _add(root, target, typing.cast(type, hint), nested, sections)
-        else:
-            _add_flag(target, own[field.name], default)
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for flag, default, title in _walk(cls, defaults):
+        if title is not None and title not in sections:
+            sections[title] = parser.add_argument_group(title)
+        _add_flag(parser if title is None else sections[title], flag, default)
 
 
 def _add_flag(

@@ -13,6 +13,7 @@ from types import FrameType
 
 import uvicorn
 
+from octavo.engine.core.core_process import SERVER_STOP_SIGNALS
 from octavo.engine.frontend.async_engine import AsyncEngine
 
 
@@ -30,7 +31,7 @@ class GracefulServer(uvicorn.Server):
         config: uvicorn.Config,
         engine: AsyncEngine,
         grace_seconds: float,
-        stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+        stop_signals: tuple[int, ...] = SERVER_STOP_SIGNALS,
     ):
         """`stop_signals`: what drains the server (an API process of several drains on
         what its supervisor forwards, see api_servers.py)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from octavo.engine.config import EngineConfig
+from octavo.engine.core.core_process import SERVER_STOP_SIGNALS
 from octavo.engine.frontend.async_engine import ABORT_DRAIN_SECONDS, AsyncEngine
 from octavo.engine.frontend.core_client import SharedCore
 from octavo.engine.heap import tune_collector_for_serving
@@ -62,30 +62,30 @@ def launch_server(args: ServerArgs) -> int:
     if args.api_server_count is not None and args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     api_servers = args.api_server_count or default_api_server_count(args.engine)
-    if api_servers > 1 and args.allow_runtime_lora_updating:
+    if api_servers == 1:
+        return run_http_server(args)
+    if args.allow_runtime_lora_updating:
         raise ValueError(
             "--allow-runtime-lora-updating needs one API server process: each would keep "
             "its own adapters (--api-server-count 1)"
         )
-    if api_servers > 1:
-        if args.inprocess_engine:
-            raise ValueError("--api-server-count > 1 needs the engine core in its own process")
-        from octavo.server.api_servers import serve_with_api_servers
+    if args.inprocess_engine:
+        raise ValueError("--api-server-count > 1 needs the engine core in its own process")
+    from octavo.server.api_servers import serve_with_api_servers
 
-        return serve_with_api_servers(args, api_servers)
-    engine, app = build_server(args)
-    return run_http_server(args, engine, app)
+    return serve_with_api_servers(args, api_servers)
 
 
 def run_http_server(
     args: ServerArgs,
-    engine: AsyncEngine,
-    app: FastAPI,
+    shared_core: SharedCore | None = None,
     sock: socket.socket | None = None,
-    stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+    stop_signals: tuple[int, ...] = SERVER_STOP_SIGNALS,
 ) -> int:
-    """Serves `app` with uvicorn on --host/--port (or on `sock`, already listening) until a
-    stop signal drains it; the exit status: 1 if the engine core died, else 0."""
+    """Serves the app of `args` (`build_server`, over `shared_core` if given) with uvicorn
+    on --host/--port (or on `sock`, already listening) until a stop signal drains it; the
+    exit status: 1 if the engine core died, else 0."""
+    engine, app = build_server(args, shared_core)
     # After the engine's grace and abort drain, connections still open (a stream nobody
     # reads) are closed: SIGTERM always ends the process.
     close_after_s = args.shutdown_grace_seconds + ABORT_DRAIN_SECONDS + 1
@@ -100,7 +100,6 @@ def run_http_server(
         limit_concurrency=args.limit_concurrency,
     )
     server = GracefulServer(uvicorn_config, engine, args.shutdown_grace_seconds, stop_signals)
-    tune_collector_for_serving()
     server.run(sockets=None if sock is None else [sock])
     if server.engine_failed:
         logger.error("the engine core died; exiting with status 1 so a supervisor restarts it")
@@ -112,7 +111,8 @@ def build_server(
     args: ServerArgs, shared_core: SharedCore | None = None
 ) -> tuple[AsyncEngine, FastAPI]:
     """The engine (not started) and the app of `args`: what one server process runs, alone,
-    as one of several API processes of a `shared_core`, or as a Ray Serve replica."""
+    as one of several API processes of a `shared_core`, or as a Ray Serve replica; the
+    process's collector is then set up for serving, with them in its frozen heap."""
     from octavo.server.app import create_app
     from octavo.server.chat_template import load_chat_template
     from octavo.server.serving_engine import ServerConfig
@@ -122,11 +122,22 @@ def build_server(
     chat_template = load_chat_template(
         args.chat_template, engine_config.model, engine_config.load_format
     )
-    api_keys = api_keys_of(args.api_key, args.api_key_file)
-    tool_call_parser = _tool_call_parser(args, chat_template is not None)
     model = engine_config.model
     name = args.served_model_name or (DEFAULT_MODEL_NAME if _serves_default_model(args) else model)
-    lora = _lora_modules(args, name)
+    config = ServerConfig(
+        served_model_name=name,
+        model_root=str(model),
+        api_keys=api_keys_of(args.api_key, args.api_key_file),
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+        max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
+        allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
+        chat_template=chat_template,
+        tool_call_parser=_tool_call_parser(args, chat_template is not None),
+        lora=_lora_modules(args, name),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        metrics_dir=os.environ.get(PROMETHEUS_DIR_ENV),
+    )
     threads = model_threads(args)
     per_user = args.max_num_waiting_per_user
     # An API process runs no model and imports no torch; only an engine core does.
@@ -140,21 +151,9 @@ def build_server(
         engine = AsyncEngine.in_process(engine_config, args.max_num_waiting, per_user)
     else:
         engine = AsyncEngine.multiprocess(engine_config, args.max_num_waiting, threads, per_user)
-    config = ServerConfig(
-        served_model_name=name,
-        model_root=str(model),
-        api_keys=api_keys,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_grace_seconds=args.shutdown_grace_seconds,
-        max_n=args.max_n or max(1, engine_config.max_num_seqs // DEFAULT_MAX_N_SHARE),
-        allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
-        chat_template=chat_template,
-        tool_call_parser=tool_call_parser,
-        lora=lora,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        metrics_dir=os.environ.get(PROMETHEUS_DIR_ENV),
-    )
-    return engine, create_app(engine, config)
+    app = create_app(engine, config)
+    tune_collector_for_serving()
+    return engine, app
 
 
 def _lora_modules(args: ServerArgs, base_name: str) -> LoRAModules | None:
@@ -194,13 +193,12 @@ def _tool_call_parser(args: ServerArgs, has_template: bool) -> str | None:
     parser = args.tool_call_parser
     if parser is not None and parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got {parser!r}")
-    if args.enable_auto_tool_choice and parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.enable_auto_tool_choice:
+        if parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
         return parser
-    if _serves_default_model(args) and args.chat_template is None and has_template:
-        return DEFAULT_MODEL_TOOL_CALL_PARSER
-    return None
+    embedded = _serves_default_model(args) and args.chat_template is None and has_template
+    return DEFAULT_MODEL_TOOL_CALL_PARSER if embedded else None
 
 
 def default_api_server_count(config: EngineConfig) -> int:
@@ -216,19 +214,17 @@ def default_api_server_count(config: EngineConfig) -> int:
 
 
 def model_threads(args: ServerArgs) -> int | None:
-    """The engine core's torch threads: --torch-threads, else `default_model_threads` on
-    CPU; None on CUDA (the device runs the model)."""
-    if args.engine.device_type != "cpu":
-        return None
-    return args.torch_threads or default_model_threads(args.engine)
-
-
-def default_model_threads(config: EngineConfig) -> int:
-    """The engine core's torch threads on CPU: every core for a model whose tokens cost far
-    more than the API process's CPU per streamed token; all cores but one for a small one,
-    whose token rate would keep a core of API work busy (and whose many short ops leave
-    OpenMP threads spinning against it). Chosen with benchmarks/serving_throughput.py on 2
+    """The engine core's torch threads: --torch-threads; by default on CPU every core for a
+    model whose tokens cost far more than the API process's CPU per streamed token, all
+    cores but one for a small one, whose token rate would keep a core of API work busy (and
+    whose many short ops leave OpenMP threads spinning against it); None on CUDA (the device
+    runs the model). The default was chosen with benchmarks/serving_throughput.py on 2
     cores; the figures are in docs/benchmarks/history.md."""
+    config = args.engine
+    if config.device_type != "cpu":
+        return None
+    if args.torch_threads:
+        return args.torch_threads
     cores = os.cpu_count() or 1
     model = load_model_config(config.model, config.load_format)
     if model.flops_per_token >= MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES:

@@ -30,22 +30,17 @@ DEFAULT_MODEL_TOOL_CALL_PARSER = "hermes"
 API_KEY_ENV = "OCTAVO_API_KEY"
 # --max-n's default: a request may take at most this fraction (1 / N) of the sequence slots.
 DEFAULT_MAX_N_SHARE = 4
-# From this cost per token the engine core takes every CPU core (launch.default_model_threads):
+# From this cost per token the engine core takes every CPU core (launch.model_threads):
 # the 6x512 GPT-2 of the serving benchmark costs 42 MFLOP per token, its 1x16 twin 0.14, the
 # embedded default model 8.4.
 MIN_FLOPS_PER_TOKEN_FOR_ALL_CORES = 10_000_000
 # --api-server-count's most by default (launch.default_api_server_count).
 MAX_DEFAULT_API_SERVERS = 4
 
-LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-Routing = Literal["least-loaded", "prefix"]
-
-RAY_GROUP = "ray serve"
-
 
 def _ray(default: Any, help: str) -> Any:
     """A field listed under `octavo serve --help`'s Ray Serve section."""
-    return field(default=default, metadata={"help": help, "group": RAY_GROUP})
+    return field(default=default, metadata={"help": help, "group": "ray serve"})
 
 
 def _option(default: Any, help: str) -> Any:
@@ -155,7 +150,7 @@ class ServerArgs:
         "run the engine core in a thread of the API process instead of its own process "
         "(debugging; slower: both then share one GIL)",
     )
-    log_level: LogLevel = "info"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     ray: bool = _ray(
         False,
         "serve through Ray Serve: --num-replicas engine replicas behind one OpenAI endpoint "
@@ -173,7 +168,7 @@ class ServerArgs:
     target_ongoing_requests: float | None = _ray(
         None, "autoscaling: ongoing requests per replica to aim for (default: max_num_seqs / 2)"
     )
-    routing: Routing = _ray(
+    routing: Literal["least-loaded", "prefix"] = _ray(
         "least-loaded",
         "least-loaded: the less busy of two random replicas (power of two choices); prefix: "
         "the replica a prompt's prefix hashes to, unless it is busier than the least busy by "

@@ -21,6 +21,11 @@ from starlette.types import ASGIApp, Message
 from octavo.server.ray_serve.messages import ForwardedRequest, ResponseStart
 from octavo.server.ray_serve.pacer import Pacer
 
+# What the app's task queues last, once the app has returned or raised: the end of its body,
+# so that what it sent before still goes out and then the iterator ends (raising what the
+# app raised), whether or not the app finished its response.
+_APP_ENDED: Message = {"type": "http.response.body", "body": b"", "more_body": False}
+
 
 def http_scope(request: ForwardedRequest) -> dict[str, Any]:
     return {
@@ -49,8 +54,8 @@ async def call_asgi(
 ) -> AsyncIterator[ResponseStart | bytes]:
     """Yields the app's ResponseStart (with `extra_headers` added), then its body: the first
     `PACER_BURST` chunks as soon as they are sent, then one item per `batch_interval_s` on
-    average, each joining the chunks sent meanwhile. Closing or cancelling the iterator
-    disconnects the app's request."""
+    average, each joining the chunks sent meanwhile; then the app's exception, if it raised
+    one. Closing or cancelling the iterator disconnects the app's request."""
     sent: asyncio.Queue[Message] = asyncio.Queue()
     gone = asyncio.Event()
     body_taken = False
@@ -68,15 +73,19 @@ async def call_asgi(
             raise OSError("the caller stopped reading the response")
         await sent.put(message)
 
-    app_task = asyncio.ensure_future(app(http_scope(request), receive, send))
+    async def run_app() -> None:
+        try:
+            await app(http_scope(request), receive, send)
+        finally:
+            sent.put_nowait(_APP_ENDED)
+
+    app_task = asyncio.ensure_future(run_app())
     loop = asyncio.get_running_loop()
     pacer = Pacer(batch_interval_s)
     complete = False
     try:
         while True:
-            message = await _next_message(sent, app_task)
-            if message is None:  # the app returned without finishing its response
-                return
+            message = await sent.get()
             if message["type"] == "http.response.start":
                 headers = [*message.get("headers", []), *extra_headers]
                 yield ResponseStart(message["status"], headers)
@@ -99,7 +108,7 @@ async def call_asgi(
     finally:
         gone.set()
         if complete:
-            await app_task  # its response is out; it only has to return
+            await app_task  # it has ended, or only has to return: raises what it raised
         elif not app_task.done():
             # The caller stopped reading: the response is moot. The app is told (a
             # disconnect) and its task cancelled, which closes its engine streams wherever
@@ -107,22 +116,3 @@ async def call_asgi(
             app_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await app_task
-
-
-async def _next_message(sent: asyncio.Queue[Message], app_task: asyncio.Future) -> Message | None:
-    """The app's next message; None once the app has ended with none left (its exception,
-    if any, is raised)."""
-    if not sent.empty():
-        return sent.get_nowait()
-    getter = asyncio.ensure_future(sent.get())
-    try:
-        await asyncio.wait({getter, app_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not getter.done():
-            getter.cancel()
-    if getter.done() and not getter.cancelled():
-        return getter.result()
-    if not sent.empty():
-        return sent.get_nowait()
-    app_task.result()
-    return None

@@ -24,7 +24,6 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from octavo.engine.heap import tune_collector_for_serving
 from octavo.server.errors import APIError
 from octavo.server.http_guards import body_too_large
 from octavo.server.launch import build_server
@@ -54,11 +53,9 @@ class EngineReplica:
         self._batch_interval_s = args.stream_batching_ms / 1000
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._headers = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
-        self._metrics = ReplicaMetrics()
         self._publishing = asyncio.ensure_future(
-            self._metrics.publish_every(PUBLISH_PERIOD_S, self._engine.stats)
+            ReplicaMetrics().publish_every(PUBLISH_PERIOD_S, self._engine.stats)
         )
-        tune_collector_for_serving()  # as `octavo serve` does
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks."""

@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig
 
+from octavo.engine.core.core_process import SERVER_STOP_SIGNALS
 from octavo.server.ray_serve.deployments import EngineReplica, Ingress
 from octavo.server.ray_serve.routing import PrefixAffinityRouter
 from octavo.server.server_args import ServerArgs
@@ -40,10 +41,16 @@ def build_app(args: ServerArgs) -> Application:
     if not args.stream_batching_ms >= 0:
         raise ValueError(f"--stream-batching-ms must be >= 0, got {args.stream_batching_ms}")
     config = args.engine
-    cuda = config.torch_device.type == "cuda"
+    cuda = config.device_type == "cuda"
     cpus = args.num_cpus_per_replica
     if cpus is None:
         cpus = 1 if cuda else (args.torch_threads or 1)
+    # --log-level applies to Ray Serve's replica logs too; per-request access logs only at
+    # info and debug, as uvicorn writes them for `octavo serve`.
+    logging_config = {
+        "log_level": args.log_level.upper(),
+        "enable_access_log": args.log_level in ("debug", "info"),
+    }
     options: dict[str, Any] = {
         # A replica may run every sequence its engine admits plus every waiting one; past
         # that the engine answers 503 itself, so Ray Serve's queue cap must not be tighter.
@@ -52,6 +59,7 @@ def build_app(args: ServerArgs) -> Application:
         # A replica loads its model and starts its core before it is healthy.
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": args.shutdown_grace_seconds + 5,
+        "logging_config": logging_config,
     }
     if args.max_replicas is not None and args.max_replicas > args.num_replicas:
         target = args.target_ongoing_requests or max(1.0, config.max_num_seqs / 2)
@@ -67,13 +75,6 @@ def build_app(args: ServerArgs) -> Application:
             "request_router_class": f"{PrefixAffinityRouter.__module__}.PrefixAffinityRouter",
             "request_router_kwargs": {"imbalance": args.routing_imbalance},
         }
-    # --log-level applies to Ray Serve's replica logs too; per-request access logs only at
-    # info and debug, as uvicorn writes them for `octavo serve`.
-    logging_config = {
-        "log_level": args.log_level.upper(),
-        "enable_access_log": args.log_level in ("debug", "info"),
-    }
-    options["logging_config"] = logging_config
     replicas = serve.deployment()(EngineReplica).options(**options).bind(args)
     ingress = serve.deployment()(Ingress).options(
         max_ongoing_requests=args.limit_concurrency,
@@ -106,7 +107,7 @@ def serve_on_ray(args: ServerArgs) -> int:
         "serving %s on http://%s:%d through Ray Serve", args.engine.model, args.host, args.port
     )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in SERVER_STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     serve.delete(APP_NAME)

@@ -26,6 +26,7 @@ from ray.serve.request_router import (
 )
 
 from octavo.server.ray_serve.messages import ForwardedRequest
+from octavo.server.server_args import ServerArgs
 
 # The key's length: about four 16-token KV blocks, of text or of token ids. Long enough to
 # tell prompt templates apart, short enough that a shared system prompt or few-shot header
@@ -33,7 +34,6 @@ from octavo.server.ray_serve.messages import ForwardedRequest
 ROUTING_KEY_CHARS = 256
 ROUTING_KEY_TOKENS = 64
 PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions")
-DEFAULT_IMBALANCE = 8
 
 
 def routing_key(path: str, body: bytes) -> str | None:
@@ -93,7 +93,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: `imbalance`, the ongoing requests by which the prefix's replica may
         exceed the least busy candidate before load decides."""
-        self._imbalance = int(kwargs.get("imbalance", DEFAULT_IMBALANCE))
+        self._imbalance = int(kwargs.get("imbalance", ServerArgs.routing_imbalance))
 
     async def choose_replicas(
         self,
