@@ -44,10 +44,6 @@ class Flag:
     field: dataclasses.Field
     multiple: bool = False  # a tuple[kind, ...] field: the flag takes one value or more
 
-    @property
-    def option(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
 
 def _init_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
     """Each field of dataclass `cls` that `__init__` takes, with its resolved annotation."""
@@ -61,8 +57,8 @@ def _walk(
     """Each flag of dataclass `cls` in field order, those of nested dataclass fields in
     their place, with its default (the field's value in `defaults`, an instance of `cls`,
     else the field's default; MISSING: none) and the help section it is listed under (the
-    "group" of its field or of the nearest nested dataclass field that has one, else
-    `section`)."""
+    "group" of its field, else that of the nearest enclosing dataclass field that has one,
+    else `section`)."""
     for field, hint in _init_fields(cls):
         default = getattr(defaults, field.name) if defaults is not None else _default(field)
         group = field.metadata.get("group", section)
@@ -124,18 +120,19 @@ def add_flags(
 def _add_flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: Flag, default: Any
 ) -> None:
+    option = "--" + flag.name.replace("_", "-")
     options: dict[str, Any] = {"help": flag.field.metadata.get("help")}
     if flag.choices is not None:
         options["choices"] = list(flag.choices)
     if flag.multiple:
-        parser.add_argument(flag.option, type=flag.kind, nargs="+", default=default, **options)
+        parser.add_argument(option, type=flag.kind, nargs="+", default=default, **options)
     elif flag.kind is bool:
         action = argparse.BooleanOptionalAction if default is not False else "store_true"
-        parser.add_argument(flag.option, action=action, default=default, **options)
+        parser.add_argument(option, action=action, default=default, **options)
     elif default is dataclasses.MISSING:
-        parser.add_argument(flag.option, type=flag.kind, required=True, **options)
+        parser.add_argument(option, type=flag.kind, required=True, **options)
     else:
-        parser.add_argument(flag.option, type=flag.kind, default=default, **options)
+        parser.add_argument(option, type=flag.kind, default=default, **options)
 
 
 def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:

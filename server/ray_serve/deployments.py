@@ -117,13 +117,12 @@ class Ingress:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
             raise body_too_large(self._max_body_bytes)
-        chunks, size = [], 0
+        body = bytearray()
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > self._max_body_bytes:
+            body += chunk
+            if len(body) > self._max_body_bytes:
                 raise body_too_large(self._max_body_bytes)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return bytes(body)
 
 
 async def _body(stream: DeploymentResponseGenerator, sse: bool) -> AsyncIterator[bytes]:
