@@ -6,13 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from octavo.engine.errors import ParameterError
 from octavo.engine.structured_outputs import StructuredOutputsParams
 from octavo.server.protocol import (
     UNSUPPORTED_VLLM_FIELDS,
@@ -171,10 +169,7 @@ class ChatCompletionRequest(GenerationRequest):
             return super().structured_outputs_params()
         assert self.tool_choice is not None
         schema = forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
-        try:
-            return StructuredOutputsParams(json=schema)
-        except ParameterError as exc:
-            raise ParameterError("tools", str(exc)) from exc
+        return StructuredOutputsParams(json=schema)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens  # both positive when set
@@ -192,10 +187,6 @@ class ChatCompletionRequest(GenerationRequest):
         if param.startswith("structured_outputs") and "tools" in self.constraint_fields:
             return "tools"  # a forced call's constraint is the tools' schemas
         return super().client_param(param)
-
-
-def chat_completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
 
 
 class TopLogprob(BaseModel):

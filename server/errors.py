@@ -52,6 +52,11 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """The 400 of a request the client got wrong, naming the offending field (`param`)."""
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
 def model_not_found(model: str) -> APIError:
     """What a request naming a model this server does not serve gets (OpenAI's 404)."""
     return APIError(
@@ -67,13 +72,13 @@ def invalid_body(errors: Sequence[Mapping[str, Any]]) -> APIError:
     first offending field; malformed JSON says so."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
-        return APIError(HTTPStatus.BAD_REQUEST, f"Malformed JSON body: {first.get('msg')}")
+        return bad_request(f"Malformed JSON body: {first.get('msg')}")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # A field refused by a model-level check names itself in the error's context.
     ctx = first.get("ctx")
     param = loc[0] if loc else (ctx.get("field") if isinstance(ctx, dict) else None)
     message = f"{'.'.join(loc) or param or 'body'}: {first.get('msg')}"
-    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+    return bad_request(message, param)
 
 
 def internal_error(exc: Exception) -> APIError:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from octavo.server.errors import APIError, internal_error, invalid_body
+from octavo.server.errors import APIError, bad_request, internal_error, invalid_body
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +125,15 @@ class GenerationRoutes:
             if not is_json(request.headers.get("content-type", "")):
                 # As FastAPI refuses it: a browser sends other types across origins without
                 # asking first (a "simple" request), JSON only after a CORS preflight.
-                raise APIError(HTTPStatus.BAD_REQUEST, "Content-Type must be application/json")
+                raise bad_request("Content-Type must be application/json")
             try:
                 # json, not pydantic's parser: it takes what FastAPI's does (NaN, lone
                 # surrogates), which then fail validation naming their field.
                 data = json.loads(await request.body())
             except ValueError as exc:  # not JSON, or not in a Unicode encoding
-                raise APIError(HTTPStatus.BAD_REQUEST, f"Malformed JSON body: {exc}") from exc
+                raise bad_request(f"Malformed JSON body: {exc}") from exc
             except RecursionError as exc:  # json recurses once per level of nesting
-                raise APIError(HTTPStatus.BAD_REQUEST, "JSON body nested too deeply") from exc
+                raise bad_request("JSON body nested too deeply") from exc
             try:
                 body = request_model.model_validate(data)
             except ValidationError as exc:

@@ -13,7 +13,7 @@ from octavo.engine.errors import ParameterError
 from octavo.engine.lora_adapter import read_adapter
 from octavo.engine.lora_request import LoRARequest
 from octavo.engine.worker.models.configs import GPT2Config
-from octavo.server.errors import APIError, model_not_found
+from octavo.server.errors import APIError, bad_request, model_not_found
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,11 @@ class LoRAModules:
         """Registers an adapter; APIError (400) naming lora_name (taken) or lora_path (an
         adapter the engine cannot serve)."""
         if name == self.base_name or name in self._modules:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                f"the model name {name!r} is already served",
-                param="lora_name",
-            )
+            raise bad_request(f"the model name {name!r} is already served", param="lora_name")
         try:
             read_adapter(name, path, self.config, self.max_rank)
         except ParameterError as exc:
-            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
+            raise bad_request(str(exc), param=exc.param) from exc
         request = LoRARequest(name, next(self._ids), path)
         self._modules[name] = LoRAModule(request, int(time.time()))
         return request

@@ -20,7 +20,6 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from octavo.engine.errors import ParameterError
 from octavo.engine.sampling_params import INT64_MAX, INT64_MIN
 from octavo.engine.structured_outputs import StructuredOutputsParams
 
@@ -276,22 +275,20 @@ class GenerationRequest(RequestModel, ABC):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The engine's constraint, from whichever field the client set; ParameterError
-        naming that field when it is not a valid constraint."""
+        when it is not a valid constraint (naming the engine's field: `client_param` names
+        the client's)."""
         given = self.constraint_fields
         if not given:
             return None
         field = given[0]
         value = getattr(self, field)
-        try:
-            if field == "response_format":
-                if value.type == "json_object":
-                    return StructuredOutputsParams(json_object=True)
-                return StructuredOutputsParams(json=value.json_schema.schema_)
-            if field == "structured_outputs":  # its fields, by alias, are the engine's
-                return StructuredOutputsParams(**value.model_dump(by_alias=True))
-            return StructuredOutputsParams(**{field.removeprefix("guided_"): value})
-        except ParameterError as exc:
-            raise ParameterError(self.client_param(exc.param), str(exc)) from exc
+        if field == "response_format":
+            if value.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json=value.json_schema.schema_)
+        if field == "structured_outputs":  # its fields, by alias, are the engine's
+            return StructuredOutputsParams(**value.model_dump(by_alias=True))
+        return StructuredOutputsParams(**{field.removeprefix("guided_"): value})
 
     @field_validator("stop")
     @classmethod
@@ -431,10 +428,6 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-
-
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
 
 
 class CompletionResponse(BaseModel):

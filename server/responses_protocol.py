@@ -412,10 +412,6 @@ class ResponsesRequest(RequestModel):
         return {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)}
 
 
-def response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
-
-
 def message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 

@@ -3,7 +3,6 @@ engine, answered as a chat.completion or a stream of chat.completion.chunk event
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Any
 
 import msgspec
@@ -20,10 +19,9 @@ from octavo.server.chat_protocol import (
     ChatLogprobs,
     TokenLogprob,
     TopLogprob,
-    chat_completion_id,
 )
 from octavo.server.chat_template import ChatTemplate
-from octavo.server.errors import APIError
+from octavo.server.errors import bad_request
 from octavo.server.serving_engine import EngineServing, Generation, PromptAndParams, usage
 from octavo.server.stream_builder import ChoiceState, ChunkStream
 from octavo.server.stream_chunks import ChatChunkChoice, ChatCompletionChunk, ChatDelta
@@ -96,7 +94,7 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
     """A chat request is one prompt (the rendered conversation) with n samples: one engine
     request, whose sample j is choice j."""
 
-    request_id = staticmethod(chat_completion_id)
+    id_prefix = "chatcmpl-"
     stream_type = ChatStream
 
     async def create_chat_completion(
@@ -110,22 +108,18 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
         """`route` names what a server without a chat template refuses (a 400)."""
         template = self.config.chat_template
         if template is None:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 f"this model has no chat template, so it cannot serve {route}: start the server "
                 "with --chat-template FILE_OR_STRING (a Jinja chat template), or use "
-                "/v1/completions",
+                "/v1/completions"
             )
         self.check_request(request, num_prompts=1)
         if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                "top_logprobs is only allowed with logprobs: true",
-                param="top_logprobs",
+            raise bad_request(
+                "top_logprobs is only allowed with logprobs: true", param="top_logprobs"
             )
         if request.continue_final_message and request.add_generation_prompt:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 "continue_final_message continues the last message: it needs "
                 "add_generation_prompt: false",
                 param="continue_final_message",
@@ -135,8 +129,7 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
             and request.tool_choice_mode == "auto"
             and not self.config.tool_call_parser
         ):
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 '"auto" tool choice (the default with tools) needs the server started with '
                 "--enable-auto-tool-choice and --tool-call-parser; a named function or "
                 '"required" works without them',
@@ -144,8 +137,7 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
             )
         reserved = RESERVED_TEMPLATE_VARIABLES & (request.chat_template_kwargs or {}).keys()
         if reserved:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 f"chat_template_kwargs may not set {sorted(reserved)}: they are request fields",
                 param="chat_template_kwargs",
             )
@@ -164,13 +156,12 @@ class ChatServing(EngineServing[ChatCompletionRequest]):
         try:
             prompt = template.render(messages, request.add_generation_prompt, **variables)
         except ParameterError as exc:
-            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
+            raise bad_request(str(exc), param=exc.param) from exc
         final = request.messages[-1].text()
         if request.continue_final_message and final:
             end = prompt.rfind(final)
             if end < 0:
-                raise APIError(
-                    HTTPStatus.BAD_REQUEST,
+                raise bad_request(
                     "continue_final_message: the chat template does not reproduce the final "
                     "message's text, so there is nothing to continue",
                     param="continue_final_message",

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from octavo.engine.frontend.outputs import CompletionOutput, RequestOutput
-from octavo.server.errors import APIError
+from octavo.server.errors import bad_request
 from octavo.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     Logprobs,
-    completion_id,
 )
 from octavo.server.serving_engine import EngineServing, Generation, PromptAndParams, usage
 from octavo.server.stream_builder import ChoiceState, ChunkStream
@@ -70,7 +68,7 @@ class CompletionServing(EngineServing[CompletionRequest]):
     sample j of prompt i.
     """
 
-    request_id = staticmethod(completion_id)
+    id_prefix = "cmpl-"
     stream_type = CompletionStream
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
@@ -79,10 +77,9 @@ class CompletionServing(EngineServing[CompletionRequest]):
     async def preprocess(self, request: CompletionRequest) -> list[PromptAndParams]:
         self.check_request(request, len(request.prompts()))
         if request.suffix:
-            raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
+            raise bad_request("suffix is not supported", param="suffix")
         if request.max_tokens == 0 and not request.echo:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 "max_tokens must be >= 1 (0 only scores an echoed prompt: set echo)",
                 param="max_tokens",
             )
@@ -90,8 +87,7 @@ class CompletionServing(EngineServing[CompletionRequest]):
         if None not in (request.prompt_logprobs, echo_logprobs) and (
             request.prompt_logprobs != echo_logprobs
         ):
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 "prompt_logprobs must equal logprobs when echo scores the prompt too",
                 param="prompt_logprobs",
             )
@@ -144,18 +140,12 @@ class CompletionServing(EngineServing[CompletionRequest]):
         log-probabilities when asked for (the first prompt token has none)."""
         logprobs = None
         if delta.logprobs is not None:
-            prompt = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-            logprobs = [*prompt, *delta.logprobs]
-        return Delta(
-            self._prompt_text(output) + delta.text,
-            [*output.prompt_token_ids, *delta.token_ids],
-            logprobs,
-        )
-
-    def _prompt_text(self, output: RequestOutput) -> str:
-        if output.prompt is not None:
-            return output.prompt
-        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
+            prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+            logprobs = [*prompt_logprobs, *delta.logprobs]
+        prompt = output.prompt
+        if prompt is None:
+            prompt = self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
+        return Delta(prompt + delta.text, [*output.prompt_token_ids, *delta.token_ids], logprobs)
 
     def _logprobs(self, delta: Delta, offset: int = 0) -> Logprobs:
         """OpenAI's per-token lists; a token's text_offset is where its text starts when the

@@ -8,8 +8,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
@@ -31,7 +32,7 @@ from octavo.engine.frontend.outputs import RequestOutput
 from octavo.engine.frontend.tokenizer import Tokenizer
 from octavo.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.engine.structured_outputs import compile_grammar
-from octavo.server.errors import APIError, model_not_found
+from octavo.server.errors import APIError, bad_request, model_not_found
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import GenerationRequest, PromptLogprob, PromptTokensDetails, Usage
 from octavo.server.streaming import EventEncoder, EventStreamResponse, until_disconnect
@@ -135,7 +136,7 @@ class EngineServing(ABC, Generic[RequestT]):
 
     # -- the route ---------------------------------------------------------------------------
 
-    request_id: Callable[[], str]  # a new response id, the route's (cmpl-..., chatcmpl-...)
+    id_prefix: str  # of the route's response ids, before a random hex (cmpl-, chatcmpl-, ...)
     stream_type: type[StreamBuilder]  # the builder of the route's streams
 
     async def serve(self, request: RequestT, raw_request: Request) -> Response:
@@ -143,7 +144,8 @@ class EngineServing(ABC, Generic[RequestT]):
         engine request has ended; a client that disconnects first (`raw_request` says so)
         gets its requests aborted, as a stream's would be."""
         prompts = await self.preprocess(request)
-        generation = Generation(request, self.request_id(), int(time.time()), prompts)
+        request_id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        generation = Generation(request, request_id, int(time.time()), prompts)
         # Whom it is served for (the fair policy's user): its API key's user where the server
         # has keys, else the request's `user` field ("": anonymous).
         user = (
@@ -184,46 +186,35 @@ class EngineServing(ABC, Generic[RequestT]):
         max_n = self.config.max_n
         for param, value in (("n", request.n), ("best_of", request.best_of)):
             if max_n is not None and value is not None and value > max_n:
-                raise APIError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"{param} must be <= {max_n} on this server (--max-n), got {value}",
-                    param=param,
+                raise bad_request(
+                    f"{param} must be <= {max_n} on this server (--max-n), got {value}", param=param
                 )
         if num_prompts > self.engine.max_num_waiting:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 f"{num_prompts} prompts can never wait at once: the queue holds "
                 f"{self.engine.max_num_waiting} (--max-num-waiting)",
                 param="prompt",
             )
         per_user = self.engine.max_num_waiting_per_user
         if per_user is not None and num_prompts > per_user:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 f"{num_prompts} prompts can never wait at once: a user's share of the queue "
                 f"holds {per_user} (--max-num-waiting-per-user)",
                 param="prompt",
             )
         if request.best_of is not None and request.best_of < request.n:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                f"best_of ({request.best_of}) must be >= n ({request.n})",
-                param="best_of",
+            raise bad_request(
+                f"best_of ({request.best_of}) must be >= n ({request.n})", param="best_of"
             )
         if request.use_beam_search:
             _check_beam_search(request)
         elif request.best_of is not None and request.best_of > request.n and request.stream:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 "best_of > n cannot be streamed: the best samples are known at the end",
                 param="best_of",
             )
         if request.stream_options is not None and not request.stream:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                "stream_options is only allowed with stream",
-                param="stream_options",
-            )
+            raise bad_request("stream_options is only allowed with stream", param="stream_options")
 
     # -- engine inputs -----------------------------------------------------------------------
 
@@ -242,8 +233,7 @@ class EngineServing(ABC, Generic[RequestT]):
         except ParameterError:
             return
         except TimeoutError:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 f"the structured-output constraint took longer than "
                 f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile",
                 param=request.constraint_fields[0],
@@ -274,8 +264,7 @@ class EngineServing(ABC, Generic[RequestT]):
             text = prompt if isinstance(prompt, str) else None
             return dataclasses.replace(processed, text=text), params
         except ParameterError as exc:
-            param = request.client_param(exc.param)
-            raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=param) from exc
+            raise bad_request(str(exc), param=request.client_param(exc.param)) from exc
 
     @staticmethod
     def sampling_params(
@@ -285,21 +274,18 @@ class EngineServing(ABC, Generic[RequestT]):
         what one or more steps added); a plain response only the final output."""
         structured_outputs = request.structured_outputs_params()
         if request.use_beam_search:
-            try:
-                return BeamSearchParams(
-                    beam_width=request.best_of or request.n,
-                    max_tokens=max_tokens,
-                    num_return_sequences=request.n,
-                    length_penalty=request.length_penalty,
-                    early_stopping=request.early_stopping,
-                    min_tokens=request.min_tokens,
-                    ignore_eos=request.ignore_eos,
-                    stop_token_ids=request.stop_token_ids or [],
-                    skip_special_tokens=request.skip_special_tokens,
-                    structured_outputs=structured_outputs,
-                )
-            except ParameterError as exc:  # name the fields as the client sent them
-                raise ParameterError(request.client_param(exc.param), str(exc)) from exc
+            return BeamSearchParams(
+                beam_width=request.best_of or request.n,
+                max_tokens=max_tokens,
+                num_return_sequences=request.n,
+                length_penalty=request.length_penalty,
+                early_stopping=request.early_stopping,
+                min_tokens=request.min_tokens,
+                ignore_eos=request.ignore_eos,
+                stop_token_ids=request.stop_token_ids or [],
+                skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=structured_outputs,
+            )
         return SamplingParams(
             n=request.n,
             best_of=request.best_of,
@@ -352,7 +338,7 @@ class EngineServing(ABC, Generic[RequestT]):
             for i in range(len(streams)):
                 self.engine.discard(f"{request_id}-{i}")
             if isinstance(exc, ParameterError):
-                raise APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param) from exc
+                raise bad_request(str(exc), param=exc.param) from exc
             raise APIError(
                 HTTPStatus.TOO_MANY_REQUESTS
                 if isinstance(exc, UserQueueFullError)
@@ -459,11 +445,7 @@ def _check_beam_search(request: GenerationRequest) -> None:
     ]
     for param, present in unsupported:
         if present:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                f"{param} is not supported with use_beam_search",
-                param=param,
-            )
+            raise bad_request(f"{param} is not supported with use_beam_search", param=param)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -488,7 +470,7 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineStoppedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
     if isinstance(exc, ParameterError):
-        return APIError(HTTPStatus.BAD_REQUEST, str(exc), param=exc.param)
+        return bad_request(str(exc), param=exc.param)
     if isinstance(exc, RequestFailedError):
         return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"the request failed: {exc}")
     logger.error("request failed", exc_info=exc)

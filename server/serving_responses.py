@@ -27,7 +27,6 @@ from octavo.server.responses_protocol import (
     ResponseUsage,
     function_call_id,
     message_id,
-    response_id,
     responses_message,
     responses_param,
 )
@@ -124,7 +123,7 @@ class ResponsesServing(EngineServing[ResponsesRequest]):
     parser reads into output items (`OutputItems`). Errors name the Responses fields
     (`in_responses_terms`)."""
 
-    request_id = staticmethod(response_id)
+    id_prefix = "resp_"
     stream_type = ResponseStream
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from http import HTTPStatus
 
 from octavo.engine.frontend.async_engine import AsyncEngine
 from octavo.engine.frontend.tokenizer import Tokenizer
-from octavo.server.errors import APIError
+from octavo.server.errors import bad_request
 from octavo.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -27,18 +26,16 @@ class TokenizationServing:
         # When the served model came up: its card says the same on every request.
         self._created = int(time.time())
 
-    def model_card(self) -> ModelCard:
-        return ModelCard(
+    def model_cards(self) -> list[ModelCard]:
+        """The base model's card, then each LoRA adapter's (its folder as root, the base as
+        parent), as vLLM lists them."""
+        base = ModelCard(
             id=self.config.served_model_name,
             created=self._created,
             root=self.config.model_root or self.config.served_model_name,
             max_model_len=self.engine.max_model_len,
         )
-
-    def model_cards(self) -> list[ModelCard]:
-        """The base model's card, then each LoRA adapter's (its folder as root, the base as
-        parent), as vLLM lists them."""
-        cards = [self.model_card()]
+        cards = [base]
         if self.config.lora is not None:
             cards += [
                 ModelCard(
@@ -70,11 +67,7 @@ class TokenizationServing:
         vocab = self.engine.vocab_size
         bad = [t for t in request.tokens if t >= vocab]
         if bad:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                f"tokens must be in [0, {vocab}), got {bad[:4]}",
-                param="tokens",
-            )
+            raise bad_request(f"tokens must be in [0, {vocab}), got {bad[:4]}", param="tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     def _tokenizer(self, model: str | None, param: str) -> Tokenizer:
@@ -82,9 +75,7 @@ class TokenizationServing:
             self.config.lora_request(model)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise APIError(
-                HTTPStatus.BAD_REQUEST,
-                "the served model has no tokenizer (tokenizer.json): send token ids",
-                param=param,
+            raise bad_request(
+                "the served model has no tokenizer (tokenizer.json): send token ids", param=param
             )
         return tokenizer
