@@ -184,8 +184,6 @@ class ChatCompletionRequest(GenerationRequest):
             return "max_completion_tokens"
         if param == "logprobs" and self.top_logprobs is not None:
             return "top_logprobs"
-        if param.startswith("structured_outputs") and "tools" in self.constraint_fields:
-            return "tools"  # a forced call's constraint is the tools' schemas
         return super().client_param(param)
 
 

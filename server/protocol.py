@@ -320,7 +320,9 @@ class GenerationRequest(RequestModel, ABC):
 
     def client_param(self, param: str) -> str:
         """The request field behind an engine parameter: beam_width is best_of when the
-        client sent best_of (else n), num_return_sequences is n."""
+        client sent best_of (else n), num_return_sequences is n, and a structured_outputs
+        parameter is the constraint field the client set (`constraint_fields`: a chat
+        request's forced tool call is "tools")."""
         if param == "beam_width":
             return "best_of" if self.best_of is not None else "n"
         if param.startswith("structured_outputs"):  # the constraint, as the client sent it

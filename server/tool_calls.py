@@ -379,7 +379,8 @@ class HermesCalls(ToolCallParser):
 def make_parser(
     tool_choice: ToolChoice, has_tools: bool, parser_name: str | None
 ) -> ToolCallParser:
-    """The parser of a request's choices (its tool_choice resolved: see `resolve`)."""
+    """The parser of a request's choices (its tool_choice resolved: see
+    ChatCompletionRequest.tool_choice_mode)."""
     if isinstance(tool_choice, NamedToolChoice):
         return NamedCall(tool_choice.function.name)
     if tool_choice == "required":
