@@ -9,7 +9,6 @@ import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
 
 from octavo.engine.structured_outputs import StructuredOutputsParams
 from octavo.server.protocol import (
@@ -21,6 +20,7 @@ from octavo.server.protocol import (
     RequestModel,
     Usage,
     check_unicode,
+    field_error,
     types_only,
     valid_unicode,
 )
@@ -126,22 +126,16 @@ class ChatCompletionRequest(GenerationRequest):
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) < len(names):
-            raise PydanticCustomError(
-                "tools",
-                "function names must be unique, got {names}",
-                {"field": "tools", "names": names},
-            )
+            raise field_error("tools", "function names must be unique, got {names}", names=names)
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise PydanticCustomError(
+            raise field_error(
                 "tool_choice",
                 "the function {name} is not among the request's tools",
-                {"field": "tool_choice", "name": repr(choice.function.name)},
+                name=repr(choice.function.name),
             )
         if choice == "required" and not names:
-            raise PydanticCustomError(
-                "tool_choice", '"required" needs tools to choose from', {"field": "tool_choice"}
-            )
+            raise field_error("tool_choice", '"required" needs tools to choose from')
         return self
 
     @property

@@ -91,6 +91,15 @@ def check_unicode(value: Any, field: str) -> None:
         check_unicode(value.model_dump(), field)
 
 
+def field_error(
+    field: str, message: str, kind: str | None = None, **context: Any
+) -> PydanticCustomError:
+    """A model-level validation error (of type `kind`, by default `field`) whose 400 names
+    `field` as its param (errors.invalid_body reads the context's field); `message` may
+    format {field} and the other `context` values."""
+    return PydanticCustomError(kind or field, message, {"field": field, **context})
+
+
 def valid_unicode(*fields: str) -> Any:
     """A field validator (`_valid_unicode = valid_unicode(...)` in a model): every string
     of `fields` is valid Unicode (`check_unicode`, naming the field)."""
@@ -235,10 +244,8 @@ class GenerationRequest(RequestModel, ABC):
             return data
         for name in cls.UNSUPPORTED:
             if data.get(name) not in (None, []):  # an empty list (of tools, say) asks for nothing
-                raise PydanticCustomError(
-                    "unsupported_field",
-                    "{field} is not supported by this server yet",
-                    {"field": name},
+                raise field_error(
+                    name, "{field} is not supported by this server yet", "unsupported_field"
                 )
         unknown = sorted(k for k in data if k not in cls.model_fields)
         if unknown:
@@ -256,12 +263,12 @@ class GenerationRequest(RequestModel, ABC):
     def _one_constraint(self):
         given = self.constraint_fields
         if len(given) > 1:
-            raise PydanticCustomError(
-                "one_constraint",
+            raise field_error(
+                given[1],
                 "{field}: only one of response_format, guided_json, guided_regex, "
                 "guided_choice, guided_grammar, structured_outputs and a forced tool_choice "
                 "may be set",
-                {"field": given[1]},
+                "one_constraint",
             )
         return self
 

@@ -44,6 +44,7 @@ from octavo.server.protocol import (
     Seed,
     StructuredOutputsRequest,
     TopK,
+    field_error,
     types_only,
     valid_unicode,
 )
@@ -298,19 +299,19 @@ class ResponsesRequest(RequestModel):
             return data
         for name in UNSUPPORTED_RESPONSES_FIELDS:
             if data.get(name) not in (None, False, [], {}):  # 0 == False: asks nothing too
-                raise PydanticCustomError(
-                    "unsupported_field",
+                raise field_error(
+                    name,
                     "{field} is not supported by this server (it is stateless: nothing is "
                     "stored, so send the whole conversation in input)"
                     if name in STATEFUL_FIELDS
                     else "{field} is not supported by this server yet",
-                    {"field": name},
+                    "unsupported_field",
                 )
         if data.get("truncation") not in (None, "disabled"):
-            raise PydanticCustomError(
-                "unsupported_field",
+            raise field_error(
+                "truncation",
                 'only truncation "disabled" is supported: a conversation past the context is a 400',
-                {"field": "truncation"},
+                "unsupported_field",
             )
         unknown = sorted(k for k in data if k not in cls.model_fields)
         if unknown:
