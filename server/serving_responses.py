@@ -5,7 +5,7 @@ Responses API's events."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -43,7 +43,6 @@ from octavo.server.tool_calls import MessageDelta
 
 # What a stream's events are handed to: the event's type and its fields.
 Emit = Callable[[str, dict[str, Any]], None]
-ItemStatus = Literal["completed", "incomplete"]  # of an item that ended
 MAX_OUTPUT_TOKENS = IncompleteDetails(reason="max_output_tokens")
 ABORTED = ResponseError(code="server_error", message="the response was aborted before it ended")
 
@@ -82,7 +81,7 @@ class ResponseStream(StreamBuilder["ResponsesServing", ResponsesRequest]):
 
     def closing(self) -> bytes:
         state = final_state(self._finish_reason)
-        self.items.close(item_status(state))
+        self.items.close(state["status"])
         response = self._response(
             output=self.items.items, usage=responses_usage(self.usage()), **state
         )
@@ -91,7 +90,7 @@ class ResponseStream(StreamBuilder["ResponsesServing", ResponsesRequest]):
 
     def failure(self, error: APIError) -> bytes:
         error = in_responses_terms(error)
-        self.items.close("incomplete")
+        self.items.close("failed")
         self._event(
             "error",
             {"code": error.body().error.type, "message": error.message, "param": error.param},
@@ -150,7 +149,7 @@ class ResponsesServing(EngineServing[ResponsesRequest]):
         items.read(parser.feed(completion.text))
         items.read(parser.finish())
         state = final_state(completion.finish_reason)
-        items.close(item_status(state))
+        items.close(state["status"])
         counts = usage(generation.prompts, len(completion.token_ids), final.num_cached_tokens or 0)
         return ResponsesResponse.of(
             request,
@@ -182,11 +181,6 @@ def final_state(finish_reason: str | None) -> dict[str, Any]:
     if finish_reason == "abort":
         return {"status": "failed", "error": ABORTED}
     return {"status": "completed"}
-
-
-def item_status(state: dict[str, Any]) -> ItemStatus:
-    """The status of the item a response ended in: cut short unless it completed."""
-    return "completed" if state["status"] == "completed" else "incomplete"
 
 
 def responses_usage(counts: Usage) -> ResponseUsage:
@@ -236,15 +230,16 @@ class OutputItems:
                 self._pieces.append(call.arguments)
                 self._send("response.function_call_arguments.delta", delta=call.arguments)
 
-    def close(self, status: ItemStatus) -> None:
-        """Ends the last item with `status` ("incomplete": the output was cut short)."""
+    def close(self, status: str) -> None:
+        """Ends the last item as a response of `status` ends it: completed when the response
+        completed (or the next item began), else incomplete (the output was cut short)."""
         item = self._open
         if item is None:
             return
         self._open = None
         text = "".join(self._pieces)
         self._pieces = []
-        item.status = status
+        item.status = "completed" if status == "completed" else "incomplete"
         if isinstance(item, OutputMessage):
             item.content = [OutputText(text=text)]
             self._send("response.output_text.done", content_index=0, text=text, logprobs=[],
