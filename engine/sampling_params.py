@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import TypeGuard
+from typing import ClassVar, TypeGuard
 
 from octavo.engine.errors import ParameterError
 from octavo.engine.structured_outputs import StructuredOutputsParams
@@ -19,7 +19,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
-def _is_int(value: object) -> TypeGuard[int]:
+def is_int(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (True is not a token count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -35,13 +35,13 @@ def _as_list(name: str, value: object) -> list:
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     """An integer (not a bool) of at least `minimum`."""
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ParameterError(name, f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _check_int64(name: str, value: object) -> None:
     """An integer (not a bool) that fits the sampler's int64 columns."""
-    if not _is_int(value) or not INT64_MIN <= value <= INT64_MAX:
+    if not is_int(value) or not INT64_MIN <= value <= INT64_MAX:
         raise ParameterError(
             name, f"{name} must be an integer in [-2**63, 2**63 - 1], got {value!r}"
         )
@@ -94,7 +94,7 @@ class GenerationParams:
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ParameterError(
                 "stop_token_ids",
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
@@ -164,12 +164,8 @@ class SamplingParams(GenerationParams):
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
         if self.bad_words is not None:
             self.bad_words = _as_list("bad_words", self.bad_words)
-        self._validate()
-        self._validate_token_controls()
-
-    def _validate(self) -> None:
         _check_int("n", self.n, 1)
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise ParameterError(
                 "best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
             )
@@ -203,8 +199,6 @@ class SamplingParams(GenerationParams):
                 _check_int(name, value, 0)
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ParameterError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
-
-    def _validate_token_controls(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ParameterError(
@@ -212,7 +206,7 @@ class SamplingParams(GenerationParams):
                     f"logit_bias must map token ids to biases, got {self.logit_bias!r}",
                 )
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0:
+                if not is_int(token) or token < 0:
                     raise ParameterError(
                         "logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}"
                     )
@@ -220,7 +214,7 @@ class SamplingParams(GenerationParams):
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ParameterError("allowed_token_ids", "allowed_token_ids must not be empty")
-            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+            if any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise ParameterError(
                     "allowed_token_ids",
                     f"allowed_token_ids must be token ids >= 0, got {self.allowed_token_ids}",
@@ -301,12 +295,19 @@ class BeamSearchParams(GenerationParams):
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Sampling's options that a beam search never has, as sampling's defaults: callers
+    # read them of either kind of params.
+    stop_strings: ClassVar[tuple[str, ...]] = ()
+    logprobs: ClassVar[None] = None
+    prompt_logprobs: ClassVar[None] = None
+    bad_words: ClassVar[None] = None
+    truncate_prompt_tokens: ClassVar[None] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_int("beam_width", self.beam_width, 1)
         _check_finite("length_penalty", self.length_penalty)
-        if not _is_int(self.num_return_sequences) or not (
+        if not is_int(self.num_return_sequences) or not (
             1 <= self.num_return_sequences <= self.beam_width
         ):
             raise ParameterError(

@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams, SamplingParams, is_int
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -50,17 +50,16 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not JSON ({exc})") from None
         if not isinstance(value, Mapping):
             raise ValueError("speculative_config: a JSON object is expected")
-        fields = dict(value)
         known = {field.name for field in dataclasses.fields(cls)}
-        for key in fields:
+        for key in value:
             if key not in known:
                 raise ValueError(f"speculative_config: unknown field {key!r}")
-        model = fields.get("model")
+        model = value.get("model")
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError(
                 f"speculative_config.model must be a model name or path, got {model!r}"
             )
-        method = fields.get("method", "draft_model" if model is not None else None)
+        method = value.get("method", "draft_model" if model is not None else None)
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
         if (method == "draft_model") != (model is not None):
@@ -68,14 +67,14 @@ class SpeculativeConfig:
                 "speculative_config.model: method 'draft_model' needs a model, and a model "
                 f"needs method 'draft_model', got method {method!r} and model {model!r}"
             )
-        k = _integer(fields, "num_speculative_tokens", required=True)
+        k = _integer(value, "num_speculative_tokens", required=True)
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens must be in "
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k}"
             )
-        low = _integer(fields, "prompt_lookup_min")
-        high = _integer(fields, "prompt_lookup_max")
+        low = _integer(value, "prompt_lookup_min")
+        high = _integer(value, "prompt_lookup_max")
         if method != "ngram" and (low is not None or high is not None):
             raise ValueError(
                 "speculative_config: prompt_lookup_min and prompt_lookup_max apply to method "
@@ -88,7 +87,7 @@ class SpeculativeConfig:
                 "speculative_config: prompt_lookup_min must be >= 1 and <= prompt_lookup_max, "
                 f"got {low} and {high}"
             )
-        limit = _integer(fields, "disable_by_batch_size")
+        limit = _integer(value, "disable_by_batch_size")
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {limit}")
         return cls(method, k, low, high, limit, model)
@@ -118,7 +117,7 @@ def _integer(fields: Mapping[str, Any], key: str, required: bool = False) -> Any
     value = fields.get(key)
     if value is None and not required:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise ValueError(f"speculative_config.{key} must be an integer, got {value!r}")
     return value
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from octavo.engine.core.beam_state import normalized_score
 from octavo.engine.core.sequence import SequenceGroup
 from octavo.engine.core_messages import BeamResult, EngineCoreOutput, PromptLogprobs, SampleDelta
-from octavo.engine.sampling_params import BeamSearchParams, SamplingParams
+from octavo.engine.sampling_params import BeamSearchParams
 
 
 def progress_output(
@@ -15,22 +15,18 @@ def progress_output(
 ) -> EngineCoreOutput:
     """What a running request's samples gained in a step. Its first output also says when
     the request was first scheduled and how many prompt tokens the prefix cache held."""
-    if not first:
-        return EngineCoreOutput(group.request_id, samples)
-    return EngineCoreOutput(
-        group.request_id,
-        samples,
-        first_scheduled_time=group.first_scheduled_time,
-        num_cached_tokens=group.num_cached_tokens,
-    )
+    output = EngineCoreOutput(group.request_id, samples)
+    if first:
+        output.first_scheduled_time = group.first_scheduled_time
+        output.num_cached_tokens = group.num_cached_tokens
+    return output
 
 
 def final_output(group: SequenceGroup, samples: list[SampleDelta]) -> EngineCoreOutput:
     """A finished request's last output: the samples of its last step, an "abort"/"error"
     end for samples that never got one, and a beam search's hypotheses."""
     ended = {s.index for s in samples}
-    params = group.sampling_params
-    logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
+    logprobs = group.sampling_params.logprobs is not None
     for seq in group.seqs:
         if seq.index not in ended and seq.status.finish_reason in ("abort", "error"):
             cumulative = seq.cumulative_logprob if logprobs else None

@@ -172,14 +172,12 @@ class SequenceGroup:
             and not params.stop_strings
             and params.logprobs is None
         )
-        self.wants_prompt_logprobs = (
-            isinstance(params, SamplingParams) and params.prompt_logprobs is not None
-        )
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.beam_grammar = self.grammar if isinstance(params, BeamSearchParams) else None
         self.needs_sync_steps = isinstance(params, BeamSearchParams) or bool(
             self.num_speculative_tokens
             or self.bad_words_token_ids
-            or params.prompt_logprobs is not None
+            or self.wants_prompt_logprobs
             or self.grammar
         )
 

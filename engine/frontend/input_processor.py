@@ -14,6 +14,7 @@ from octavo.engine.sampling_params import (
     BeamSearchParams,
     GenerationParams,
     SamplingParams,
+    is_int,
 )
 from octavo.engine.stop_rules import length_limit, stop_token_set
 from octavo.engine.structured_outputs import compile_grammar
@@ -47,12 +48,11 @@ class InputProcessor:
     ) -> ProcessedPrompt:
         text, token_ids = self._tokenize(prompt)
         grammar, bad_words_token_ids = None, []
-        if isinstance(params, SamplingParams):
-            keep = params.truncate_prompt_tokens
-            if keep is not None and keep < len(token_ids):
-                text, token_ids = None, token_ids[-keep:]  # the text is the kept tokens'
-            if params.bad_words:
-                bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep < len(token_ids):
+            text, token_ids = None, token_ids[-keep:]  # the text is the kept tokens'
+        if params.bad_words:
+            bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:
             self._tokenizer_for("structured_outputs")  # the worker masks through its tokens
             grammar = compile_grammar(params.structured_outputs)
@@ -85,7 +85,7 @@ class InputProcessor:
         """The request the core takes: with its stop tokens computed, once, here, and what
         process_inputs derived from its parameters. ParameterError: a priority other than 0
         without the priority policy (vLLM's rule), or one out of range."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if not is_int(priority):
             raise ParameterError("priority", f"priority must be an integer, got {priority!r}")
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ParameterError("priority", f"priority must fit in 64 bits, got {priority}")
@@ -121,9 +121,7 @@ class InputProcessor:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self._tokenizer_for("prompt", "; pass token ids").encode(prompt)
-        if not isinstance(prompt, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if not isinstance(prompt, list | tuple) or not all(map(is_int, prompt)):
             raise ParameterError("prompt", "prompt must be a string or a list of integer token ids")
         return None, list(prompt)
 
@@ -147,8 +145,7 @@ class InputProcessor:
         self._check_in_vocab("stop_token_ids", "stop_token_ids", params.stop_token_ids)
         if isinstance(params, BeamSearchParams):
             width = "beam_width"
-            stops = len(self._stop_token_ids(params))
-            if max(2, 1 + stops) * params.beam_width > vocab:
+            if max(2, 1 + len(self._stop_token_ids(params))) * params.beam_width > vocab:
                 raise ParameterError(
                     "beam_width",
                     f"beam_width={params.beam_width} ranks more "

@@ -152,7 +152,7 @@ class OutputProcessor:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
     ) -> None:
-        stops = params.stop_strings if isinstance(params, SamplingParams) else []
+        stops = params.stop_strings
         holdback = max((len(s) for s in stops), default=1) - 1
         if isinstance(params, BeamSearchParams) or params.ranks_samples:
             kind = RequestOutputKind.FINAL_ONLY  # ranked whole: only the end counts
@@ -162,7 +162,7 @@ class OutputProcessor:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, arrival_time, holdback, kind, text_at_end
         )
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             state.prompt_logprobs, state.prompt_token_ranks = [None], [None]
         self._requests[request_id] = state
 
@@ -312,12 +312,10 @@ class OutputProcessor:
         sample = state.samples.get(index)
         if sample is None:
             params = state.params
-            skip = params.skip_special_tokens
-            want_logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
-            sample = _SampleState(
-                index, IncrementalDetokenizer(self.tokenizer, skip), want_logprobs
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            sample = state.samples[index] = _SampleState(
+                index, detokenizer, params.logprobs is not None
             )
-            state.samples[index] = sample
         return sample
 
     def _apply(self, state: RequestState, sample: _SampleState, delta: SampleDelta) -> None:
