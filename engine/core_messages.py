@@ -188,11 +188,10 @@ class EngineCoreReady(msgspec.Struct, array_like=True, tag=True):
 
 
 class EngineCoreFailed(msgspec.Struct, array_like=True, tag=True):
-    """The core process could not start (`startup` True: a configuration error, such as a
-    missing model) or its loop died; it exits after sending this."""
+    """The core process could not start (a configuration error, such as a missing model:
+    sent instead of EngineCoreReady) or its loop died; it exits after sending this."""
 
     error: str
-    startup: bool
 
 
 # What the core process sends; decoded by the front end with one typed decoder.

@@ -119,10 +119,9 @@ class BlockManager:
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq, num_new_tokens)` would take from the free list."""
-        table = self.block_tables.get(seq.seq_id)
+        # A sequence without a table has computed nothing (start is 0): no copy-on-write.
+        table = self.block_tables.get(seq.seq_id, [])
         start, block_size = seq.num_computed_tokens, self.block_size
-        if table is None:
-            return -(-(start + num_new_tokens) // block_size)
         needed = -(-(start + num_new_tokens) // block_size) - len(table)
         if start % block_size and self.ref_counts[table[start // block_size]] > 1:
             needed += 1  # copy-on-write of a shared partial block

@@ -97,7 +97,7 @@ def run_engine_core(
     try:
         core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 -- reported to the front end, which raises it
-        router.broadcast(EngineCoreFailed(f"{exc}", startup=True))
+        router.broadcast(EngineCoreFailed(f"{exc}"))
         status = 1
     else:
         tune_collector_for_serving()
@@ -106,7 +106,7 @@ def run_engine_core(
             core.run_busy_loop(router.receiver(inputs, parent_pid), router.send)
         except BaseException as exc:
             logger.exception("engine core loop died")
-            router.broadcast(EngineCoreFailed(f"{type(exc).__name__}: {exc}", startup=False))
+            router.broadcast(EngineCoreFailed(f"{type(exc).__name__}: {exc}"))
             status = 1
     for socket in outputs:
         socket.close(linger=LINGER_MS)

@@ -49,21 +49,19 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._speculative = config.speculative
         worker = load_worker(config)
         self.model_config = worker.model_config
         self.eos_token_ids = worker.eos_token_ids
         self.eos_token_id = self.model_config.eos_token_id
         self.max_model_len = worker.max_model_len
         self.runner, self.drafter = worker.runner, worker.drafter
-        num_blocks = worker.num_blocks
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            worker.num_blocks, config.block_size, config.enable_prefix_caching
         )
         needed = self.block_manager.num_blocks_for_tokens(self.max_model_len)
         if needed > self.block_manager.num_usable_blocks:
             raise ValueError(
-                f"num_blocks={num_blocks} cannot hold one sequence of max_model_len "
+                f"num_blocks={worker.num_blocks} cannot hold one sequence of max_model_len "
                 f"{self.max_model_len} ({needed} blocks of {config.block_size} "
                 f"tokens plus the null block)"
             )
@@ -116,7 +114,7 @@ class EngineCore:
         params = request.params
         num_prompt_tokens = len(request.prompt_token_ids)
         max_num_tokens = length_limit(num_prompt_tokens, params.max_tokens, self.max_model_len)
-        spec = self._speculative
+        spec = self.config.speculative
         group = SequenceGroup(
             request.request_id,
             request.prompt_token_ids,
@@ -250,8 +248,8 @@ class EngineCore:
         self._in_flight = launched
         if not ahead:
             outputs += self._apply_in_flight()
-        if self._speculative is not None:
-            self._propose_drafts(self._speculative)
+        if self.config.speculative is not None:
+            self._propose_drafts(self.config.speculative)
         return EngineCoreOutputs(outputs, self.stats())
 
     def _propose_drafts(self, spec: SpeculativeConfig) -> None:

@@ -125,10 +125,9 @@ class Scheduler:
         for seq in group.unfinished_seqs:
             if seq.index == index:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        if not group.is_finished:
-            return False
-        self._dequeue(group)
-        return True
+        if group.is_finished:
+            self._dequeue(group)
+        return group.is_finished
 
     def _dequeue(self, group: SequenceGroup) -> None:
         """Takes a group out of its queue. The caller holds the group (the engine core finds
@@ -235,13 +234,15 @@ class Scheduler:
                     seqs[0].num_computed_tokens = 0
                 break
             budget -= scheduled
-            self._count_prefix_lookup(group, seqs, num_cached)
+            if num_cached is not None:  # vLLM's prefix-cache counters, in tokens
+                self.num_prefix_cache_queries += len(seqs[0].token_ids)
+                self.num_prefix_cache_hits += num_cached
             self.waiting.pop()
             self.running.append(group)
             self._num_running_seqs = None
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.monotonic()
-                group.num_cached_tokens = num_cached  # 0 without prefix caching
+                group.num_cached_tokens = num_cached or 0  # 0 without prefix caching
                 self.num_prompt_tokens += len(group.prompt_token_ids)
                 self.waiting.charge(group, len(group.prompt_token_ids))
                 self.users.admitted(group)
@@ -325,31 +326,27 @@ class Scheduler:
             if seq.seq_id in seq_ids
         }
 
-    def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
+    def _take_cached_prefix(self, group: SequenceGroup, seqs: list[Sequence]) -> int | None:
         """Gives a sequence about to be admitted the cached blocks of its longest prefix and
-        advances it past them; returns the tokens it skips. Only a group with one sequence
-        and nothing computed looks up (a preempted group of several samples or beams is
-        recomputed as a whole), and never one that asks for prompt logprobs (cached
-        positions have no logits: the whole prompt is computed to score it, as in vLLM)."""
-        if len(seqs) != 1 or seqs[0].num_computed_tokens or group.wants_prompt_logprobs:
-            return 0
+        advances it past them; returns the tokens it skips, or None when it does not look up:
+        without prefix caching, for a group of several sequences or with something computed
+        (a preempted group of several samples or beams is recomputed as a whole), and never
+        for one that asks for prompt logprobs (cached positions have no logits: the whole
+        prompt is computed to score it, as in vLLM)."""
+        bm = self.block_manager
+        if (
+            not bm.enable_prefix_caching
+            or len(seqs) != 1
+            or seqs[0].num_computed_tokens
+            or group.wants_prompt_logprobs
+        ):
+            return None
         seq = seqs[0]
-        blocks = self.block_manager.cached_prefix(seq)
-        if not blocks:
-            return 0
-        self.block_manager.take_prefix(seq, blocks)
-        seq.num_computed_tokens = len(blocks) * self.block_manager.block_size
+        blocks = bm.cached_prefix(seq)
+        if blocks:
+            bm.take_prefix(seq, blocks)
+            seq.num_computed_tokens = len(blocks) * bm.block_size
         return seq.num_computed_tokens
-
-    def _count_prefix_lookup(
-        self, group: SequenceGroup, seqs: list[Sequence], num_cached: int
-    ) -> None:
-        """vLLM's prefix-cache counters, in tokens: each admission that looked up queries the
-        sequence's tokens."""
-        looked_up = len(seqs) == 1 and not group.wants_prompt_logprobs
-        if looked_up and self.block_manager.enable_prefix_caching:
-            self.num_prefix_cache_queries += len(seqs[0].token_ids)
-            self.num_prefix_cache_hits += num_cached
 
     def _sample_row(self, group: SequenceGroup, seq: Sequence) -> SampleRow:
         """The row of `seq` (of a sampling request), sampled from itself: built, and
@@ -541,21 +538,17 @@ class Scheduler:
         if result.beam_seq_ids:
             self._num_running_seqs = None  # a first step turns one sequence into beams
         if update.finished:
-            self._drop_finished(update.finished)
+            for group in update.finished:
+                self.users.ended(group)
+            was_running = {id(g) for g in self.running}
+            self.running = [g for g in self.running if not g.is_finished]
+            # A group that finished here without running was preempted after this step was
+            # scheduled (a late token finished it): only then can a finished group be
+            # waiting. Looking among the finished, not the waiting, keeps a step's cost
+            # independent of how many requests wait.
+            if any(id(g) not in was_running for g in update.finished):
+                self.waiting.remove_finished()
         return update
-
-    def _drop_finished(self, finished: list[SequenceGroup]) -> None:
-        """Takes the step's finished groups out of their queue."""
-        for group in finished:
-            self.users.ended(group)
-        was_running = {id(g) for g in self.running}
-        self.running = [g for g in self.running if not g.is_finished]
-        # A group that finished here without running was preempted after this step was
-        # scheduled (a late token finished it): only then can a finished group be
-        # waiting. Looking among the finished, not the waiting, keeps a step's cost
-        # independent of how many requests wait.
-        if any(id(g) not in was_running for g in finished):
-            self.waiting.remove_finished()
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Has the worker drop these sequences' state with the next step (beams a search

@@ -17,7 +17,7 @@ from octavo.engine.core.request_outputs import (
 )
 from octavo.engine.core.scheduled_step import ScheduledStep
 from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from octavo.engine.core.stop_checker import StopChecker, StopDecision
+from octavo.engine.core.stop_checker import StopChecker
 from octavo.engine.core_messages import EngineCoreOutput, PromptLogprobs, SampleDelta
 from octavo.engine.step_io import ModelRunnerOutput
 
@@ -91,7 +91,6 @@ class StepUpdater:
         token_ids, logprobs, top_logprobs = (
             sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         )  # fmt: skip
-        check_stop = self.stop_checker.check
         grammar_ended, grammar_failed = result.grammar.ended, result.grammar.failed
         outputs, finished = update.outputs, update.finished
         # Groups with several samples gather their deltas here (first: their first tokens).
@@ -138,9 +137,7 @@ class StepUpdater:
                             or token_id in group.stop_token_ids
                             or len(tokens) >= group.max_num_tokens
                         ):
-                            decision = check_stop(seq, group, ended)
-                            if decision is not None:
-                                finish_reason = self._stop(seq, decision)
+                            finish_reason = self._stop(seq, group, ended)
                         new_token_ids = [token_id]
                         tops = None if top is None else [top]
                 except Exception as exc:  # noqa: BLE001 -- one request's fault is its own
@@ -217,9 +214,8 @@ class StepUpdater:
             if logprob is not None:
                 seq.cumulative_logprob += logprob
             if token_id in group.stop_token_ids or len(seq.token_ids) >= group.max_num_tokens:
-                decision = self.stop_checker.check(seq, group, False)
-                if decision is not None:
-                    finish_reason = self._stop(seq, decision)
+                finish_reason = self._stop(seq, group, False)
+                if finish_reason is not None:
                     break
         seq.num_computed_tokens = len(seq.token_ids) - 1  # its last token's K/V: next step
         return new_token_ids, tops or None, finish_reason
@@ -276,11 +272,11 @@ class StepUpdater:
         for seq in group.unfinished_seqs:
             self._finish(seq, SequenceStatus.FINISHED_ERROR)
 
-    def _stop(self, seq: Sequence, decision: StopDecision) -> str:
-        """Ends `seq` as a stop rule decided; returns the decision's finish reason."""
-        seq.stop_reason = decision.stop_reason
-        length = decision.finish_reason == "length"
-        self._finish(
-            seq, SequenceStatus.FINISHED_LENGTH if length else SequenceStatus.FINISHED_STOPPED
-        )
-        return decision.finish_reason
+    def _stop(self, seq: Sequence, group: SequenceGroup, grammar_ended: bool) -> str | None:
+        """Applies the stop rules to the token `seq` just received (`StopChecker.check`) and
+        ends it if one decides; returns its finish reason, None if no rule did."""
+        status = self.stop_checker.check(seq, group, grammar_ended)
+        if status is None:
+            return None
+        self._finish(seq, status)
+        return status.finish_reason

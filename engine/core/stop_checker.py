@@ -2,22 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from octavo.engine.core.sequence import Sequence, SequenceGroup
-
-
-@dataclass(frozen=True)
-class StopDecision:
-    """Why a sample ends: finish_reason "stop" (stop_reason: the stop token id, None for
-    EOS or a complete grammar) or "length"."""
-
-    finish_reason: str
-    stop_reason: int | None = None
-
-
-_STOP_ON_EOS = StopDecision("stop")  # also: a structured output's grammar is complete
-_STOP_ON_LENGTH = StopDecision("length")
+from octavo.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class StopChecker:
@@ -37,8 +22,11 @@ class StopChecker:
 
     def check(
         self, seq: Sequence, group: SequenceGroup, grammar_ended: bool = False
-    ) -> StopDecision | None:
-        # Runs for every token that may stop: locals instead of properties, shared decisions.
+    ) -> SequenceStatus | None:
+        """The status a rule finishes `seq` with: FINISHED_STOPPED (finish_reason "stop";
+        a matched stop_token_ids entry is recorded as `seq.stop_reason`) or FINISHED_LENGTH,
+        None while no rule applies."""
+        # Runs for every token that may stop: locals instead of properties.
         token_ids = seq.token_ids
         num_tokens = len(token_ids)
         token_id = token_ids[-1]
@@ -47,11 +35,11 @@ class StopChecker:
             token_id in group.stop_token_ids
             and num_tokens - len(seq.prompt_token_ids) >= params.min_tokens
         ):
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                return _STOP_ON_EOS
-            return StopDecision("stop", stop_reason=token_id)
+            if token_id not in self.eos_token_ids or params.ignore_eos:
+                seq.stop_reason = token_id
+            return SequenceStatus.FINISHED_STOPPED
         if grammar_ended:
-            return _STOP_ON_EOS
+            return SequenceStatus.FINISHED_STOPPED
         if num_tokens >= group.max_num_tokens:
-            return _STOP_ON_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         return None

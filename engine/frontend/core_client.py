@@ -197,8 +197,7 @@ class MultiprocessCoreClient(EngineCoreClient):
         )
         # Written by `close`, so that the receiver thread stops while the core serves on.
         self._wakeup_read, self._wakeup_write = os.pipe()
-        self._closing = False
-        self._closed = False
+        self._closing = False  # set by `close`, once
         self._receiver: threading.Thread | None = None
         # One thread at a time waits for the core's exit: two would race to reap it, and
         # the one that lost would find it still alive (and kill a pid already reaped).
@@ -298,11 +297,10 @@ class MultiprocessCoreClient(EngineCoreClient):
         """Asks the core to shut down (a shared core: once every API process has), waits
         for a core this process started (terminates it past the timeout), and removes the
         sockets. Idempotent; runs at interpreter exit if nobody called it."""
-        if self._closed:
+        if self._closing:
             return
-        self._closed = True
-        atexit.unregister(self.close)
         self._closing = True
+        atexit.unregister(self.close)
         if self._core_alive():
             self.send(EngineCoreInputs(shutdown=True))
         self._stop_process()
