@@ -277,9 +277,8 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config`, parsed (None: no speculation)."""
-        if self.speculative_config is None:
-            return None
-        return SpeculativeConfig.parse(self.speculative_config)
+        spec = self.speculative_config
+        return None if spec is None else SpeculativeConfig.parse(spec)
 
     @property
     def torch_device(self) -> torch.device:
@@ -292,29 +291,28 @@ class EngineConfig:
     @property
     def uses_async_scheduling(self) -> bool:
         """Whether steps are scheduled one ahead: `async_scheduling`, or by device if unset."""
-        if self.async_scheduling is None:
-            return self.device_type == "cuda"
-        return self.async_scheduling
+        asynchronous = self.async_scheduling
+        return self.device_type == "cuda" if asynchronous is None else asynchronous
 
     @property
     def uses_cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs: Triton attention on CUDA, not eager, no
         LoRA (the step's rows per adapter are not an input of the captured graphs)."""
-        return (
-            self.device_type == "cuda"
-            and self.backend_name == "triton"
-            and not self.enforce_eager
-            and not self.enable_lora
-        )
+        return self._runs_whole_decodes("cuda", "triton")
 
     @property
     def uses_fused_decode(self) -> bool:
         """Whether small decode steps run as one fused call (engine/worker/fused_decode.py,
         where the model allows): the torch backend on a CPU, not eager, no LoRA (the fused
         products have no adapters)."""
+        return self._runs_whole_decodes("cpu", "torch")
+
+    def _runs_whole_decodes(self, device_type: str, backend_name: str) -> bool:
+        """Whether decode steps run whole (not op by op): on `device_type` with
+        `backend_name`'s attention, not eager, no LoRA."""
         return (
-            self.device_type == "cpu"
-            and self.backend_name == "torch"
+            self.device_type == device_type
+            and self.backend_name == backend_name
             and not self.enforce_eager
             and not self.enable_lora
         )
@@ -323,9 +321,8 @@ class EngineConfig:
     def uses_piecewise_graphs(self) -> bool:
         """Whether steps that prefill replay piecewise graphs: `piecewise_cuda_graphs`, or
         wherever decode steps replay CUDA graphs if unset."""
-        if self.piecewise_cuda_graphs is None:
-            return self.uses_cuda_graphs
-        return self.piecewise_cuda_graphs
+        piecewise = self.piecewise_cuda_graphs
+        return self.uses_cuda_graphs if piecewise is None else piecewise
 
     @property
     def effective_prefill_interval(self) -> int:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -25,11 +25,11 @@ NULL_BLOCK = 0
 T = TypeVar("T")
 
 
-def batch_size_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 below max_batch_size, then max_batch_size."""
-    buckets = [b for b in (1, 2, 4, 8) if b < max_batch_size]
-    buckets += range(_BUCKET_STEP, max_batch_size, _BUCKET_STEP)
-    return [*buckets, max_batch_size]
+def batch_size_buckets(max_batch_size: int, step: int = _BUCKET_STEP) -> list[int]:
+    """The powers of two below `step` (a power of two; by default 1, 2, 4, 8), then every
+    multiple of `step` below max_batch_size, then max_batch_size."""
+    powers = [1 << i for i in range(step.bit_length() - 1) if 1 << i < max_batch_size]
+    return [*powers, *range(step, max_batch_size, step), max_batch_size]
 
 
 @contextmanager
@@ -51,16 +51,23 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def capture_graph(work: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
-    """`work` captured as a CUDA graph in memory pool `pool` (None: a new one, which the
-    graph's `pool()` then shares), after one eager run outside the capture (Triton compiles
-    its kernels then): the graph and what its captured run returned (its output buffers)."""
-    work()
+def capture_graphs(works: Sequence[Callable[[], T]]) -> list[tuple[torch.cuda.CUDAGraph, T]]:
+    """Each of `works` captured as a CUDA graph, in order, all in one memory pool, with the
+    collector paused (`collector_paused`), each after one eager run outside the capture
+    (Triton compiles its kernels then): the graphs and what their captured runs returned
+    (their output buffers)."""
+    captured = []
+    pool = None  # the first graph makes one, which the others share
+    with collector_paused():
+        for work in works:
+            work()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                captured.append((graph, work()))
+            pool = graph.pool()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = work()
-    return graph, out
+    return captured
 
 
 class DecodeInputBuffers:
@@ -208,13 +215,10 @@ class DecodeGraphs:
     def _capture(self) -> None:
         """Captures every bucket, largest first, all sharing one memory pool. The buffers
         hold padding rows only, so warm-up and capture store nothing in the cache."""
-        pool = None
-        with collector_paused():
-            for size in reversed(self.buffers.buckets):
-                work = partial(forward_bucket, self.model, self.kv_cache, self.buffers, size)
-                graph, self.hidden[size] = capture_graph(work, pool)
-                pool, self.graphs[size] = graph.pool(), graph
-        torch.cuda.synchronize()
+        sizes = self.buffers.buckets[::-1]
+        works = [partial(forward_bucket, self.model, self.kv_cache, self.buffers, s) for s in sizes]
+        for size, (graph, hidden) in zip(sizes, capture_graphs(works), strict=True):
+            self.graphs[size], self.hidden[size] = graph, hidden
 
     @torch.inference_mode()
     def run(self, batch: HostBatch, pending: PendingInputs | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from octavo.engine.worker.attention.backend import AttentionMetadata
-from octavo.engine.worker.cuda_graphs import capture_graph, collector_paused
+from octavo.engine.worker.cuda_graphs import batch_size_buckets, capture_graphs
 from octavo.engine.worker.models.gpt2 import GPT2Block, GPT2LMHeadModel
 
 # Token buckets: powers of two up to this, then its multiples.
@@ -28,30 +28,9 @@ _TOKEN_BUCKET_STEP = 128
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
-    """1, 2, 4, ... up to 128, then every multiple of 128 below max_num_tokens, then
+    """1, 2, 4, ... up to 64, then every multiple of 128 below max_num_tokens, then
     max_num_tokens: a step pads its tokens to the smallest bucket holding them."""
-    buckets = []
-    size = 1
-    while size < min(_TOKEN_BUCKET_STEP, max_num_tokens):
-        buckets.append(size)
-        size *= 2
-    buckets += range(_TOKEN_BUCKET_STEP, max_num_tokens, _TOKEN_BUCKET_STEP)
-    return [*buckets, max_num_tokens]
-
-
-class _Piece:
-    """The work between two attentions for one bucket: `run()` replays its graph, or,
-    without capture, calls it (the same work, op by op)."""
-
-    def __init__(self, work: Callable[[], None], graph: torch.cuda.CUDAGraph | None):
-        self.work = work
-        self.graph = graph
-
-    def run(self) -> None:
-        if self.graph is None:
-            self.work()
-        else:
-            self.graph.replay()
+    return batch_size_buckets(max_num_tokens, _TOKEN_BUCKET_STEP)
 
 
 class PiecewiseGraphs:
@@ -86,8 +65,12 @@ class PiecewiseGraphs:
         self.attended = torch.zeros((largest, config.n_embd), dtype=dtype, device=device)
         self.residual = torch.zeros((largest, config.n_embd), dtype=dtype, device=device)
         self.hidden = torch.zeros((largest, config.n_embd), dtype=dtype, device=device)
-        self.pieces: dict[int, list[_Piece]] = {}
-        self._capture_all(capture)
+        # Per bucket, its pieces in order: each a call of its work, or with `capture` a replay
+        # of its graph (`graphs`).
+        self.pieces = {size: self._work(size) for size in self.buckets}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        if capture:
+            self._capture()
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding num_tokens rows (num_tokens <= max_num_tokens)."""
@@ -119,23 +102,14 @@ class PiecewiseGraphs:
         self.residual[rows].copy_(residual)
 
     @torch.inference_mode()
-    def _capture_all(self, capture: bool) -> None:
-        """Every bucket's pieces; with `capture`, each captured (capture_graph), largest
-        bucket first, all in one memory pool."""
-        if not capture:
-            for size in self.buckets:
-                self.pieces[size] = [_Piece(work, None) for work in self._work(size)]
-            return
-        pool = None
-        with collector_paused():
-            for size in reversed(self.buckets):
-                pieces = []
-                for work in self._work(size):
-                    graph, _ = capture_graph(work, pool)
-                    pool = graph.pool()
-                    pieces.append(_Piece(work, graph))
-                self.pieces[size] = pieces
-        torch.cuda.synchronize()
+    def _capture(self) -> None:
+        """Captures every bucket's pieces (capture_graphs), largest bucket first, all in one
+        memory pool."""
+        sizes = self.buckets[::-1]
+        captured = iter(capture_graphs([work for size in sizes for work in self.pieces[size]]))
+        for size in sizes:
+            self.graphs[size] = [next(captured)[0] for _ in self.pieces[size]]
+            self.pieces[size] = [graph.replay for graph in self.graphs[size]]
 
     @torch.inference_mode()
     def forward(
@@ -149,9 +123,9 @@ class PiecewiseGraphs:
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
         pieces = self.pieces[size]
-        pieces[0].run()
+        pieces[0]()
         for layer, block in enumerate(self.blocks):
             attended = block.attn.attend(self.qkv[:num_tokens], self.kv_cache[layer], metadata)
             self.attended[:num_tokens].copy_(attended)
-            pieces[layer + 1].run()
+            pieces[layer + 1]()
         return self.hidden[:num_tokens]
