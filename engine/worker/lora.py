@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from octavo.engine.config import EngineConfig
 from octavo.engine.errors import ParameterError
 from octavo.engine.lora_adapter import ADAPTER_WEIGHTS, TARGETS, read_adapter, target_shape
 from octavo.engine.lora_request import LoRARequest
@@ -39,7 +40,6 @@ class LoRAAdapter:
     """A loaded adapter: per adapted module ("h.{layer}.{target}"), A [rank, in] and
     B [out, rank] with the scaling folded in."""
 
-    lora_int_id: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -57,7 +57,7 @@ def load_adapter(request: LoRARequest, config: GPT2Config, max_rank: int) -> LoR
         module: (tensors[a].float(), tensors[b].float() * spec.scaling)
         for module, (a, b) in spec.modules.items()
     }
-    return LoRAAdapter(request.lora_int_id, weights)
+    return LoRAAdapter(weights)
 
 
 def add_lora_ref(
@@ -131,15 +131,13 @@ class LoRAManager:
     scheduler admits no more) and tells the layers which rows are whose.
     """
 
-    def __init__(
-        self, model: GPT2LMHeadModel, config: GPT2Config, max_loras: int, max_rank: int,
-        max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
-    ):  # fmt: skip
-        self.config = config
-        self.max_rank = max_rank
-        self.max_cpu_loras = max_cpu_loras
+    def __init__(self, model: GPT2LMHeadModel, engine_config: EngineConfig):
+        self.config = config = model.config
+        self.max_rank = engine_config.max_lora_rank
+        self.max_cpu_loras = engine_config.max_cpu_loras or engine_config.max_loras
+        dtype, device = engine_config.torch_dtype, engine_config.torch_device
         self.batch = LoRABatch()
-        padded_rank = -(-max_rank // RANK_MULTIPLE) * RANK_MULTIPLE
+        padded_rank = -(-self.max_rank // RANK_MULTIPLE) * RANK_MULTIPLE
         add_lora: AddLoRA = add_lora_ref  # a CPU that cannot build its operators
         if device.type == "cuda":
             add_lora = triton_lora.add_lora
@@ -152,14 +150,14 @@ class LoRAManager:
                 owner = getattr(block, owner_name)
                 in_features, out_features = target_shape(config, target)
                 wrapped = LoRALinear(
-                    getattr(owner, product), in_features, out_features, max_loras,
+                    getattr(owner, product), in_features, out_features, engine_config.max_loras,
                     padded_rank, self.batch, add_lora, dtype, device,
                 )  # fmt: skip
                 setattr(owner, product, wrapped)
                 self.layers[f"h.{layer}.{target}"] = wrapped
         self._requests: dict[int, LoRARequest] = {}
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self._slot_ids: list[int | None] = [None] * max_loras
+        self._slot_ids: list[int | None] = [None] * engine_config.max_loras
         self._slot_of: dict[int, int] = {}
 
     def add(self, request: LoRARequest) -> None:
@@ -176,15 +174,17 @@ class LoRAManager:
         if request.lora_int_id in self._loaded:
             self._loaded.move_to_end(request.lora_int_id)
             return
-        adapter = load_adapter(request, self.config, self.max_rank)
+        self._load(request)
         self._requests[request.lora_int_id] = request
-        self._keep(adapter)
 
-    def _keep(self, adapter: LoRAAdapter) -> None:
-        self._loaded[adapter.lora_int_id] = adapter
-        self._loaded.move_to_end(adapter.lora_int_id)
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        """Loads an adapter not in the CPU cache into it, most recently used, dropping the
+        least recently used beyond max_cpu_loras."""
+        adapter = load_adapter(request, self.config, self.max_rank)
+        self._loaded[request.lora_int_id] = adapter
         while len(self._loaded) > self.max_cpu_loras:
             self._loaded.popitem(last=False)
+        return adapter
 
     def prepare(self, token_lora_ids: np.ndarray | None, device: torch.device) -> None:
         """The step's `LoRABatch` from each token's adapter id (0: the base)."""
@@ -213,8 +213,7 @@ class LoRAManager:
                     del self._slot_of[held]
                 adapter = self._loaded.get(lora_int_id)
                 if adapter is None:  # fallen out of the CPU cache: read again
-                    adapter = load_adapter(self._requests[lora_int_id], self.config, self.max_rank)
-                    self._keep(adapter)
+                    adapter = self._load(self._requests[lora_int_id])
                 for module, layer in self.layers.items():
                     layer.set_slot(slot, adapter.weights.get(module))
                 self._slot_ids[slot] = lora_int_id

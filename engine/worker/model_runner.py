@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from octavo.engine.config import EngineConfig
 from octavo.engine.core_messages import PromptLogprobs
 from octavo.engine.lora_request import LoRARequest
 from octavo.engine.step_io import (
@@ -21,7 +22,6 @@ from octavo.engine.worker.attention.backend import AttentionBackend
 from octavo.engine.worker.cuda_graphs import DecodeGraphs
 from octavo.engine.worker.cudagraph_dispatcher import CudagraphDispatcher, CUDAGraphMode
 from octavo.engine.worker.fused_decode import FusedDecode
-from octavo.engine.worker.grammar import GrammarMatchers
 from octavo.engine.worker.input_batch import HostBatch, InputBatch, PendingInputs
 from octavo.engine.worker.lora import LoRAManager
 from octavo.engine.worker.models.gpt2 import GPT2Config, GPT2LMHeadModel
@@ -114,63 +114,53 @@ class ModelRunner:
 
     def __init__(
         self,
+        config: EngineConfig,
         model: GPT2LMHeadModel,
         backend: AttentionBackend,
         sampler: Sampler,
         num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
         max_model_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        grammars: GrammarMatchers,
         lora: LoRAManager | None = None,
     ):
-        config = model.config
         self.lora = lora  # the model's adapter slots, with enable_lora
         self.model = model
         self.backend = backend
         self.sampler = sampler
-        self.block_size = block_size
-        self.device = device
+        self.block_size = block_size = config.block_size
+        self.device = device = config.torch_device
         self.input_batch = InputBatch(
-            max_num_seqs, max_model_len, block_size, config.vocab_size, device, grammars
+            config.max_num_seqs, max_model_len, block_size, model.config.vocab_size, device,
+            sampler.grammars,
+        )  # fmt: skip
+        self.kv_cache = allocate_kv_cache(
+            model.config, num_blocks, block_size, config.torch_dtype, device
         )
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
-        # Eager until capture_cuda_graphs (CUDA) or use_fused_decode (CPU).
+        # Uniform decodes of a few sequences run as one fused operator call on a CPU, where
+        # the model allows it (FusedDecode.build); on CUDA, full decode graphs are captured
+        # for up to max_num_seqs sequences and, with piecewise graphs, pieces for the other
+        # steps of up to max_num_batched_tokens tokens. Elsewhere every step runs eagerly.
         self.dispatcher = CudagraphDispatcher()
+        if config.uses_fused_decode:
+            self.dispatcher = CudagraphDispatcher(FusedDecode.build(model, self.kv_cache))
+        elif config.uses_cuda_graphs:
+            full = DecodeGraphs(
+                model, self.kv_cache, config.max_num_seqs, max_model_len, block_size, capture=True
+            )
+            piecewise = None
+            if config.uses_piecewise_graphs:
+                piecewise = PiecewiseGraphs(
+                    model, self.kv_cache, config.max_num_batched_tokens, capture=True
+                )
+            self.dispatcher = CudagraphDispatcher(full, piecewise)
         # The previous step's sampled tokens (device) and the sequence of each row.
         self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
         # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
-        self._leading_rows = torch.arange(max_num_seqs, device=device)
+        self._leading_rows = torch.arange(config.max_num_seqs, device=device)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
         kv_width = model_config.num_kv_heads * model_config.head_dim
         return 2 * model_config.n_layer * block_size * kv_width * dtype.itemsize
-
-    def capture_cuda_graphs(
-        self, max_batch_size: int, max_model_len: int, piecewise_max_tokens: int | None
-    ) -> None:
-        """Captures full decode graphs for up to max_batch_size sequences and, unless
-        piecewise_max_tokens is None, piecewise graphs for the other steps of up to that
-        many tokens (CUDA + triton only)."""
-        self.dispatcher = CudagraphDispatcher(
-            DecodeGraphs(
-                self.model, self.kv_cache, max_batch_size, max_model_len, self.block_size,
-                capture=True,
-            ),
-            None
-            if piecewise_max_tokens is None
-            else PiecewiseGraphs(self.model, self.kv_cache, piecewise_max_tokens, capture=True),
-        )  # fmt: skip
-
-    def use_fused_decode(self) -> None:
-        """Runs uniform decodes of a few sequences as one fused operator call (CPU), where
-        the model allows it (FusedDecode.build)."""
-        fused = FusedDecode.build(self.model, self.kv_cache)
-        if fused is not None:
-            self.dispatcher = CudagraphDispatcher(fused)
 
     def add_lora(self, request: LoRARequest) -> None:
         """Checks and loads a request's adapter; ParameterError naming what is wrong."""

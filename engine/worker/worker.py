@@ -79,24 +79,13 @@ def load_worker(config: EngineConfig) -> Worker:
     num_blocks = config.num_blocks or _default_num_blocks(
         config, loaded, backend, max_model_len, None if draft is None else draft.config
     )
-    lora = None
-    if config.enable_lora:  # before the runner: it wraps the model's target products
-        lora = LoRAManager(
-            loaded.model, model_config, config.max_loras, config.max_lora_rank,
-            config.max_cpu_loras or config.max_loras, dtype, device,
-        )  # fmt: skip
+    # Before the runner: it wraps the model's target products.
+    lora = LoRAManager(loaded.model, config) if config.enable_lora else None
     generator = torch.Generator(device=device).manual_seed(config.seed)
     tokenizer = tokenizer_file(config.model, config.load_format)
     grammars = GrammarMatchers(tokenizer, model_config.vocab_size, model_config.eos_token_id)
-    runner = ModelRunner(
-        loaded.model, backend, Sampler(generator, grammars), num_blocks, config.block_size,
-        config.max_num_seqs, max_model_len, device, dtype, grammars, lora,
-    )  # fmt: skip
-    if config.uses_fused_decode:
-        runner.use_fused_decode()
-    if config.uses_cuda_graphs:
-        piecewise_tokens = config.max_num_batched_tokens if config.uses_piecewise_graphs else None
-        runner.capture_cuda_graphs(config.max_num_seqs, max_model_len, piecewise_tokens)
+    sampler = Sampler(generator, grammars)
+    runner = ModelRunner(config, loaded.model, backend, sampler, num_blocks, max_model_len, lora)
     drafter = None
     if draft is not None:
         drafter = DraftModelProposer(
