@@ -19,17 +19,15 @@ import torch
 
 from octavo.engine.worker.input_batch import HostBatch, PendingInputs
 from octavo.engine.worker.models.gpt2 import AddLayerNorm, GPT2Block, GPT2LMHeadModel
-from octavo.engine.worker.models.linear import PackedLinear
-from octavo.engine.worker.models.quantization import Int8Linear
 from octavo.kernels import small_gemm
 
 
 def _product(layer: torch.nn.Module) -> list[torch.Tensor] | None:
     """A linear layer's small weight as the operator's four tensors (packed, bias, w_scale,
     code_sums128; empty for what it has none of), or None where it has none."""
-    if not isinstance(layer, PackedLinear | Int8Linear) or layer.small is None:
+    small = getattr(layer, "small", None)  # a PackedLinear's or an Int8Linear's
+    if small is None:
         return None
-    small = layer.small
     optional = (small.bias, small.w_scale, small.code_sums128)
     return [small.packed, *(torch.empty(0) if t is None else t for t in optional)]
 

@@ -183,7 +183,7 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_cache, on_device(pairs, self.device))
         batch = self.input_batch.prepare(output)
         uniform_decode = batch.is_uniform_decode
-        hidden = self._forward(batch, self._pending_inputs(batch), uniform_decode)
+        hidden = self._forward(batch, uniform_decode)
         prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if not len(batch.logits_rows):  # a step of prefill chunks that sample nothing yet
             self._last_sampled = None
@@ -250,10 +250,9 @@ class ModelRunner:
         sources = np.array([row_of[s] for s in pending], dtype=np.int64)
         return PendingInputs(on_device(rows, self.device), tokens[on_device(sources, self.device)])
 
-    def _forward(
-        self, batch: HostBatch, pending: PendingInputs | None, uniform_decode: bool
-    ) -> torch.Tensor:
+    def _forward(self, batch: HostBatch, uniform_decode: bool) -> torch.Tensor:
         """The step's hidden states [tokens, C], run the way the dispatcher chooses."""
+        pending = self._pending_inputs(batch)
         if self.lora is not None:
             self.lora.prepare(batch.token_lora_ids, self.device)
         mode = self.dispatcher.dispatch(
@@ -288,17 +287,13 @@ def allocate_kv_cache(
 
 @torch.inference_mode()
 def profile_activation_bytes(
-    model: GPT2LMHeadModel,
-    backend: AttentionBackend,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    max_model_len: int,
-    block_size: int,
+    config: EngineConfig, model: GPT2LMHeadModel, backend: AttentionBackend, max_model_len: int
 ) -> int:
     """Peak CUDA memory of the largest step beyond weights and KV cache: a prefill of
-    max_num_batched_tokens tokens (as sequences of at most max_model_len) that samples
-    max_num_seqs rows. The KV cache gets what is left after this."""
-    device = model.wte.weight.device
+    `config.max_num_batched_tokens` tokens (as sequences of at most max_model_len) that
+    samples `config.max_num_seqs` rows. The KV cache gets what is left after this."""
+    device, block_size = model.wte.weight.device, config.block_size
+    max_num_batched_tokens = config.max_num_batched_tokens
     full, rest = divmod(max_num_batched_tokens, max_model_len)
     lengths = np.array([max_model_len] * full + ([rest] if rest else []), dtype=np.int32)
     width = -(-max_model_len // block_size)
@@ -316,7 +311,7 @@ def profile_activation_bytes(
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     hidden = model(input_ids, positions, cache, metadata)
-    rows = torch.arange(max_num_seqs, device=device) % hidden.shape[0]
+    rows = torch.arange(config.max_num_seqs, device=device) % hidden.shape[0]
     torch.log_softmax(model.compute_logits(hidden[rows]).float(), dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before

@@ -67,7 +67,7 @@ def load_worker(config: EngineConfig) -> Worker:
     loaded = load_model(
         config.model, config.load_format, backend, device, dtype, config.seed, config.quantization
     )
-    model_config = loaded.config
+    model_config = loaded.model.config
     n_positions = model_config.n_positions
     max_model_len = config.max_model_len or n_positions
     if max_model_len > n_positions:
@@ -76,9 +76,8 @@ def load_worker(config: EngineConfig) -> Worker:
         )
     draft_backend = make_backend(config)  # the draft model's layers' and its proposer's
     draft = _load_draft(config, model_config, draft_backend)
-    num_blocks = config.num_blocks or _default_num_blocks(
-        config, loaded, backend, max_model_len, None if draft is None else draft.config
-    )
+    models = [loaded] if draft is None else [loaded, draft]
+    num_blocks = config.num_blocks or _default_num_blocks(config, backend, max_model_len, models)
     # Before the runner: it wraps the model's target products.
     lora = LoRAManager(loaded.model, config) if config.enable_lora else None
     generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -130,35 +129,29 @@ def _load_draft(
         spec.model, config.load_format, backend, config.torch_device,
         config.torch_dtype, config.seed, config.quantization,
     )  # fmt: skip
-    if draft.config.vocab_size != target.vocab_size:
+    if draft.model.config.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config.model {spec.model!r} has a vocabulary of "
-            f"{draft.config.vocab_size} tokens, the target {target.vocab_size}: a draft "
+            f"{draft.model.config.vocab_size} tokens, the target {target.vocab_size}: a draft "
             "model must share the target's"
         )
     return draft
 
 
 def _default_num_blocks(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    backend: AttentionBackend,
-    max_model_len: int,
-    draft_config: GPT2Config | None,
+    config: EngineConfig, backend: AttentionBackend, max_model_len: int, models: list[LoadedModel]
 ) -> int:
-    """CPU: kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use
-    (weights, a draft model's included) and what the largest step needs on top (profiled
-    with a dummy step). A draft model's cache has as many blocks as the target's: each
-    block counts both."""
+    """The blocks of the caches of `models` (the target, then a draft model if any: a draft
+    model's cache has as many blocks as the target's, so each block counts both). CPU:
+    kv_cache_gb. CUDA: gpu_memory_utilization of the device, minus what is in use (weights,
+    a draft model's included) and what the target's largest step needs on top (profiled
+    with a dummy step)."""
     dtype, device = config.torch_dtype, config.torch_device
-    per_block = ModelRunner.kv_bytes_per_block(loaded.config, config.block_size, dtype)
-    if draft_config is not None:
-        per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, dtype)
+    per_block = sum(
+        ModelRunner.kv_bytes_per_block(m.model.config, config.block_size, dtype) for m in models
+    )
     if device.type == "cuda":
-        activation = profile_activation_bytes(
-            loaded.model, backend, config.max_num_batched_tokens, config.max_num_seqs,
-            max_model_len, config.block_size,
-        )  # fmt: skip
+        activation = profile_activation_bytes(config, models[0].model, backend, max_model_len)
         # Blocks torch's allocator caches but no tensor holds (a previous engine's, say)
         # are free for this cache: hand them back before reading the device's free memory.
         torch.cuda.empty_cache()

@@ -31,14 +31,14 @@ class SequenceSlice:
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     """Adds the plan, computed once per step for all layers: `key_slots` [S, max_seqlen_k],
-    every key position's cache slot (the decode kernel reads the leading `num_decodes`
-    rows); one slice per other sequence (`sequences`); and, where the kernel could not be
-    built, one per decode too (`decode_slices`)."""
+    every key position's cache slot (the decode kernel reads the leading `kernel_decodes`
+    rows: the step's decodes where the kernel is built, else none); one slice per other
+    sequence (`sequences`)."""
 
     store_rows: torch.Tensor | None = None  # rows of k/v to store when some slots are -1
     store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     key_slots: torch.Tensor | None = None
-    decode_slices: list[SequenceSlice] = field(default_factory=list)
+    kernel_decodes: int = 0
     sequences: list[SequenceSlice] = field(default_factory=list)
 
 
@@ -70,15 +70,12 @@ class TorchAttentionBackend(AttentionBackend):
             out.store_slots = metadata.slot_mapping[out.store_rows]
         out.key_slots = key_slots = self._key_slots(metadata)
         device = metadata.slot_mapping.device
-        num_decodes = metadata.num_decodes
-        # Decodes go to the decode kernel on a CPU where it is built.
-        if num_decodes and not (device.type == "cpu" and cpu_ops.load()):
-            out.decode_slices = [
-                SequenceSlice(i, i + 1, key_slots[i, :seq_len], None)
-                for i, seq_len in enumerate(metadata.seq_lens_host[:num_decodes])
-            ]
-        start = num_decodes
-        for i in range(num_decodes, len(metadata.seq_lens_host)):
+        # Decodes go to the decode kernel on a CPU where it is built; otherwise to SDPA, as
+        # sequences of one query (their tokens' indices are theirs).
+        if metadata.num_decodes and device.type == "cpu" and cpu_ops.load():
+            out.kernel_decodes = metadata.num_decodes
+        start = out.kernel_decodes
+        for i in range(out.kernel_decodes, len(metadata.seq_lens_host)):
             q_len, seq_len = metadata.query_lens_host[i], metadata.seq_lens_host[i]
             context = seq_len - q_len
             slots = mask = None
@@ -123,14 +120,13 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, metadata.store_slots, k_new)
         v_flat.index_copy_(0, metadata.store_slots, v_new)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        num = metadata.num_decodes
-        if num and not metadata.decode_slices:
+        num = metadata.kernel_decodes
+        if num:
             assert metadata.key_slots is not None
             cpu_ops.decode_attention(
                 q[:num], k_flat, v_flat, metadata.key_slots[:num], metadata.seq_lens[:num],
                 scale, out[:num],
             )  # fmt: skip
-        self._attend(q, k, v, k_flat, v_flat, metadata.decode_slices, out, scale)
         self._attend(q, k, v, k_flat, v_flat, metadata.sequences, out, scale)
         return out
 

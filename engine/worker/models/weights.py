@@ -30,8 +30,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 @dataclass
 class LoadedModel:
     model: GPT2LMHeadModel
-    config: GPT2Config
-    eos_token_ids: list[int]  # the first is config.eos_token_id
+    eos_token_ids: list[int]  # the first is model.config.eos_token_id
 
 
 def load_model(
@@ -67,7 +66,7 @@ def load_model(
         replace_linears(net, Int8Linear)
     elif can_pack(dtype):
         replace_linears(net, PackedLinear)
-    return LoadedModel(net, config, eos)
+    return LoadedModel(net, eos)
 
 
 def _materialize(net: torch.nn.Module, device: torch.device) -> None:
