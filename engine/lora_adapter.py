@@ -86,8 +86,8 @@ def read_adapter(name: str, path: str, config: GPT2Config, max_rank: int) -> Ada
         settings = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise refuse(f"{ADAPTER_CONFIG} is not readable JSON ({exc})") from None
-    if not isinstance(settings, dict) or settings.get("peft_type") != "LORA":
-        peft_type = settings.get("peft_type") if isinstance(settings, dict) else None
+    peft_type = settings.get("peft_type") if isinstance(settings, dict) else None
+    if peft_type != "LORA":
         raise refuse(f"peft_type {peft_type!r} is not LORA")
     for key, what in _UNSUPPORTED.items():
         if settings.get(key):

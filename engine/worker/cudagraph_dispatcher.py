@@ -4,6 +4,7 @@ piecewise graphs, or eagerly."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from octavo.engine.worker.cuda_graphs import DecodeGraphs
 from octavo.engine.worker.fused_decode import FusedDecode
@@ -18,6 +19,7 @@ class CUDAGraphMode(enum.Enum):
     FULL = "full"  # the whole decode step at once: a captured graph, or one fused CPU call
 
 
+@dataclass
 class CudagraphDispatcher:
     """The graphs an engine captured (or its fused CPU decode step), and the rule choosing
     among them per step.
@@ -29,13 +31,8 @@ class CudagraphDispatcher:
     or a model the fused step cannot run), every step is NONE.
     """
 
-    def __init__(
-        self,
-        full: DecodeGraphs | FusedDecode | None = None,
-        piecewise: PiecewiseGraphs | None = None,
-    ):
-        self.full = full
-        self.piecewise = piecewise
+    full: DecodeGraphs | FusedDecode | None = None
+    piecewise: PiecewiseGraphs | None = None
 
     def dispatch(
         self, num_tokens: int, uniform_decode: bool, decodes_share_sequences: bool

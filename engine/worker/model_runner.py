@@ -185,20 +185,18 @@ class ModelRunner:
         uniform_decode = batch.is_uniform_decode
         hidden = self._forward(batch, uniform_decode)
         prompt_logprobs = self._prompt_logprobs(hidden, batch)
-        if not len(batch.logits_rows):  # a step of prefill chunks that sample nothing yet
-            self._last_sampled = None
-            return StepFuture([], None, [], None, prompt_logprobs, self.input_batch.record_sampled)
-        if not uniform_decode:  # a uniform decode's rows are its logits rows, in order
-            hidden = hidden[on_device(batch.logits_rows, self.device)]
-        logits = self.model.compute_logits(hidden)
-        num_sampled = len(batch.sampling)
-        sampled = self.sampler(logits[:num_sampled], batch.sampling) if num_sampled else None
+        sampled = candidates = None
+        if len(batch.logits_rows):  # else a step of prefill chunks that sample nothing yet
+            if not uniform_decode:  # a uniform decode's rows are its logits rows, in order
+                hidden = hidden[on_device(batch.logits_rows, self.device)]
+            logits = self.model.compute_logits(hidden)
+            num_sampled = len(batch.sampling)
+            sampled = self.sampler(logits[:num_sampled], batch.sampling) if num_sampled else None
+            if batch.beam_seq_ids:
+                logprobs = torch.log_softmax(logits[num_sampled:].float(), dim=-1)
+                self._mask_constrained_beams(logprobs, batch.beam_seq_ids)
+                candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
         self._last_sampled = None if sampled is None else (sampled.token_ids, batch.sampled_seq_ids)
-        candidates = None
-        if batch.beam_seq_ids:
-            logprobs = torch.log_softmax(logits[num_sampled:].float(), dim=-1)
-            self._mask_constrained_beams(logprobs, batch.beam_seq_ids)
-            candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
         return StepFuture(
             batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates, prompt_logprobs,
             self.input_batch.record_sampled,

@@ -3,6 +3,7 @@ of them as arrays: the sampler reads a batch's parameters without a loop over it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ class _Column:
         return rows
 
 
+@dataclass(eq=False)
 class SamplingBatch:
     """One step's sampled rows, in row order: per-row parameters as arrays ([R]), gathered
     from the columns when first read (a step of plain greedy rows reads one), and the rows'
@@ -73,17 +75,10 @@ class SamplingBatch:
     seeded_rows = _Column(rows_of="seeded")
     constrained_rows = _Column(rows_of="constrained")
 
-    def __init__(
-        self,
-        states: list[SamplingState],
-        slots: np.ndarray,
-        columns: _Columns,
-        penalties: PenaltyCounts,
-    ):
-        self.states = states
-        self.slots = slots
-        self.columns = columns
-        self.penalties = penalties
+    states: list[SamplingState]
+    slots: np.ndarray
+    columns: _Columns
+    penalties: PenaltyCounts
 
     def __len__(self) -> int:
         return len(self.states)

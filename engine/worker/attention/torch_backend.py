@@ -127,27 +127,13 @@ class TorchAttentionBackend(AttentionBackend):
                 q[:num], k_flat, v_flat, metadata.key_slots[:num], metadata.seq_lens[:num],
                 scale, out[:num],
             )  # fmt: skip
-        self._attend(q, k, v, k_flat, v_flat, metadata.sequences, out, scale)
-        return out
-
-    @staticmethod
-    def _attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_flat: torch.Tensor,
-        v_flat: torch.Tensor,
-        sequences: list[SequenceSlice],
-        out: torch.Tensor,
-        scale: float,
-    ) -> None:
-        """One SDPA call per sequence, each writing its rows of `out`. With G query heads
-        per K/V head, a sequence's q_len x G queries of one K/V head are one [q_len * G, D]
-        block (row = position * G + member) and each position's mask row is repeated G
-        times: K/V are read once per K/V head. G = 1 (GPT-2) takes none of those steps."""
-        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        # One SDPA call per other sequence, each writing its rows of `out`. With G query
+        # heads per K/V head, a sequence's q_len x G queries of one K/V head are one
+        # [q_len * G, D] block (row = position * G + member) and each position's mask row is
+        # repeated G times: K/V are read once per K/V head. G = 1 (GPT-2) takes none of
+        # those steps.
         group = q.shape[1] // num_kv_heads
-        for s in sequences:
+        for s in metadata.sequences:
             q_len = s.end - s.start
             query = q[s.start : s.end].transpose(0, 1)  # [H, q_len, D]
             if group > 1:  # -> [H_kv, q_len * G, D] (a copy of the queries only)
@@ -179,3 +165,4 @@ class TorchAttentionBackend(AttentionBackend):
             else:  # [H_kv, q_len * G, D] -> this sequence's rows of out, [q_len, H, D]
                 rows = out[s.start : s.end].view(q_len, num_kv_heads, group, head_dim)
                 rows.copy_(o.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1))
+        return out
