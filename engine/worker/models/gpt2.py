@@ -152,18 +152,12 @@ class AddLayerNorm(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(
-        self,
-        config: GPT2Config,
-        layer: int,
-        backend: AttentionBackend,
-        attention: type[GPT2Attention] = GPT2Attention,
-    ):
+    def __init__(self, config: GPT2Config, attn: GPT2Attention, fused_layer_norm: bool):
         super().__init__()
-        eps, fused = config.layer_norm_epsilon, backend.fused_layer_norm
-        self.ln_1 = AddLayerNorm(config.n_embd, eps, fused)
-        self.attn = attention(config, layer, backend)
-        self.ln_2 = AddLayerNorm(config.n_embd, eps, fused)
+        eps = config.layer_norm_epsilon
+        self.ln_1 = AddLayerNorm(config.n_embd, eps, fused_layer_norm)
+        self.attn = attn
+        self.ln_2 = AddLayerNorm(config.n_embd, eps, fused_layer_norm)
         self.mlp = GPT2MLP(config)
 
     def forward(
@@ -227,10 +221,12 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.wte = LoadedEmbedding(config.vocab_size, config.n_embd)
         self.wpe = LoadedEmbedding(config.n_positions, config.n_embd)
+        fused = backend.fused_layer_norm
         self.h = nn.ModuleList(
-            GPT2Block(config, i, backend, self.attention_class) for i in range(config.n_layer)
+            GPT2Block(config, self.attention_class(config, i, backend), fused)
+            for i in range(config.n_layer)
         )
-        self.ln_f = AddLayerNorm(config.n_embd, config.layer_norm_epsilon, backend.fused_layer_norm)
+        self.ln_f = AddLayerNorm(config.n_embd, config.layer_norm_epsilon, fused)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
