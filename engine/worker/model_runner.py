@@ -56,26 +56,25 @@ class TopLogprobs:
 
 
 class StepFuture:
-    """A launched step's results. On CUDA the sampled tensors are copied to pinned host
-    memory without blocking and an event marks the copies' end: `result()` waits on that
-    event alone, so the host can schedule the next step meanwhile. `result()` also hands the
-    sampled tokens to `record` (the worker's own record of its sequences' outputs)."""
+    """A launched step's results (of `batch`'s sampled and beam rows). On CUDA the sampled
+    tensors are copied to pinned host memory without blocking and an event marks the
+    copies' end: `result()` waits on that event alone, so the host can schedule the next
+    step meanwhile. `result()` also hands the sampled tokens to `record` (the worker's own
+    record of its sequences' outputs)."""
 
     def __init__(
         self,
-        sampled_seq_ids: list[int],
+        batch: HostBatch,
         sampled: SampledTokens | None,
-        beam_seq_ids: list[int],
         candidates: tuple[torch.Tensor, torch.Tensor] | None,
         prompt_logprobs: dict[int, TopLogprobs],
         record: Callable[[list[int], list[int]], GrammarProgress],
     ):
-        self.sampled_seq_ids = sampled_seq_ids
+        self.sampled_seq_ids, self.beam_seq_ids = batch.sampled_seq_ids, batch.beam_seq_ids
         self._record = record
         # Read with a blocking copy in result(): requests that ask for prompt logprobs run
         # without the one-step lag (the core applies their steps before the next).
         self._prompt_logprobs = prompt_logprobs
-        self.beam_seq_ids = beam_seq_ids
         tensors = [] if sampled is None else sampled.tensors
         num_sampled = len(tensors)
         tensors += [] if candidates is None else list(candidates)
@@ -197,10 +196,8 @@ class ModelRunner:
                 self._mask_constrained_beams(logprobs, batch.beam_seq_ids)
                 candidates = logprobs.topk(min(batch.beam_top_k, logprobs.shape[1]))
         self._last_sampled = None if sampled is None else (sampled.token_ids, batch.sampled_seq_ids)
-        return StepFuture(
-            batch.sampled_seq_ids, sampled, batch.beam_seq_ids, candidates, prompt_logprobs,
-            self.input_batch.record_sampled,
-        )  # fmt: skip
+        record = self.input_batch.record_sampled
+        return StepFuture(batch, sampled, candidates, prompt_logprobs, record)
 
     def _mask_constrained_beams(self, logprobs: torch.Tensor, beam_seq_ids: list[int]) -> None:
         """Leaves each constrained beam only the tokens its grammar allows next, after the

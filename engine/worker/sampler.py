@@ -165,12 +165,11 @@ class Sampler:
         """The last token of each bad word whose other tokens end the output so far (a
         one-token word: always)."""
         output = request.output_token_ids
-        banned = []
-        for word in request.bad_words_token_ids:
-            *prefix, last = word
-            if not prefix or output[len(output) - len(prefix) :] == prefix:
-                banned.append(last)
-        return banned
+        return [
+            last
+            for *prefix, last in request.bad_words_token_ids
+            if not prefix or output[len(output) - len(prefix) :] == prefix
+        ]
 
     def _sample_random(
         self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray
