@@ -134,6 +134,10 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             model.config, num_blocks, block_size, config.torch_dtype, device
         )
+        # The previous step's sampled tokens (device) and the sequence of each row.
+        self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
+        # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
+        self._leading_rows = torch.arange(config.max_num_seqs, device=device)
         # Uniform decodes of a few sequences run as one fused operator call on a CPU, where
         # the model allows it (FusedDecode.build); on CUDA, full decode graphs are captured
         # for up to max_num_seqs sequences and, with piecewise graphs, pieces for the other
@@ -151,10 +155,6 @@ class ModelRunner:
                     model, self.kv_cache, config.max_num_batched_tokens, capture=True
                 )
             self.dispatcher = CudagraphDispatcher(full, piecewise)
-        # The previous step's sampled tokens (device) and the sequence of each row.
-        self._last_sampled: tuple[torch.Tensor, list[int]] | None = None
-        # Rows 0..n-1 on the device: where a steady decode's pending tokens go.
-        self._leading_rows = torch.arange(config.max_num_seqs, device=device)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:

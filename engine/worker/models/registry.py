@@ -8,15 +8,9 @@ and read the cache from that alone.
 
 from __future__ import annotations
 
-from octavo.engine.worker.models.configs import GPT2Config
 from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.models.gpt_bigcode import GPTBigCodeForCausalLM
 
 MODELS: dict[str, type[GPT2LMHeadModel]] = {
     model.config_class.model_type: model for model in (GPT2LMHeadModel, GPTBigCodeForCausalLM)
 }
-
-
-def model_class(config: GPT2Config) -> type[GPT2LMHeadModel]:
-    """The architecture that runs `config`."""
-    return MODELS[config.model_type]

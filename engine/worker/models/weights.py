@@ -15,7 +15,7 @@ from octavo.engine.worker.models.gpt2 import GPT2LMHeadModel
 from octavo.engine.worker.models.linear import PackedLinear, can_pack, replace_linears
 from octavo.engine.worker.models.model_files import eos_token_ids, model_config
 from octavo.engine.worker.models.quantization import Int8Linear
-from octavo.engine.worker.models.registry import model_class
+from octavo.engine.worker.models.registry import MODELS
 
 # Hugging Face GPT-2 initialises weights from N(0, 0.02).
 DUMMY_INIT_STD = 0.02
@@ -50,7 +50,7 @@ def load_model(
     config = replace(config, eos_token_id=eos[0] if eos else None)
 
     with torch.device("meta"):
-        net = model_class(config)(config, backend)
+        net = MODELS[config.model_type](config, backend)
     _materialize(net, device)
     if load_format == "dummy":
         _init_dummy(net, seed)
