@@ -17,8 +17,11 @@ run (nothing is changed in the engine for this):
 A steady decode step is one in which every one of the batch's requests received a token.
 Reported per batch size, as medians over the steady steps of --repeats runs: step wall time,
 forward time, host work per token = (step - forward) / batch, tokens/s = batch / step, and
-the phases. --before-root DIR measures another checkout (an older commit) the same way in a
-subprocess, for a before/after in one run. Speed is never asserted in tests.
+the phases. --before-root DIR measures another checkout (an older commit) the same way, for
+a before/after in one run: each tree then runs in a fresh process, the two alternating for
+--rounds rounds, and each batch size keeps a tree's fastest round (this machine's speed
+drifts by more than the difference sought, and a second process run after the first was
+seen slower whichever tree it held). Speed is never asserted in tests.
 
     .venv/bin/python -m benchmarks.host_overhead --before-root /tmp/before
     .venv/bin/python -m benchmarks.host_overhead --layers 1 --vocab 50257
@@ -68,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "when a request ends)")  # fmt: skip
     parser.add_argument("--before-root", type=Path, default=None,
                         help="an older Octavo checkout to measure too")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --before-root: alternated rounds of both trees")  # fmt: skip
     parser.add_argument("--result-file", type=Path, default=None)
     parser.add_argument("--measure-only", action="store_true",
                         help="print results as JSON (for --before-root)")  # fmt: skip
@@ -175,21 +180,29 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     return results
 
 
-def measure_before(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
-    """The same measurements of another checkout's `octavo` package, by that checkout's own
-    copy of this script (whose imports match its package): that checkout first on the path,
-    and -P keeps the current folder (this one, run from its root) off it."""
+def measure_in(root: Path, argv: list[str]) -> dict[str, dict]:
+    """The measurements of checkout `root`'s `octavo` package in a fresh process, by that
+    checkout's own copy of this script (whose imports match its package): that checkout
+    first on the path, and -P keeps the current folder off it."""
     flags = [a for a in argv if a != "--measure-only"]
-    if "--before-root" in flags:
-        at = flags.index("--before-root")
-        del flags[at : at + 2]
-    root = args.before_root.resolve()
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    for option in ("--before-root", "--rounds", "--result-file"):
+        if option in flags:
+            at = flags.index(option)
+            del flags[at : at + 2]
+    env = {**os.environ, "PYTHONPATH": str(root.resolve())}
     out = subprocess.run(
         [sys.executable, "-P", "-m", "benchmarks.host_overhead", *flags, "--measure-only"],
-        env=env, capture_output=True, text=True, check=True,
+        cwd=root, env=env, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return json.loads(out.splitlines()[-1])
+
+
+def fastest_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per batch size, the round with the most tokens/s."""
+    return {
+        batch: max((r[batch] for r in rounds), key=lambda r: r["tokens_per_s"])
+        for batch in rounds[0]
+    }
 
 
 def print_table(name: str, results: dict[str, dict]) -> None:
@@ -222,13 +235,21 @@ def main(argv: list[str] | None = None) -> int:
         },
         "systems": {},
     }  # fmt: skip
-    runs = [(f"octavo@{git_commit(here)}", lambda: measure(args))]
-    if args.before_root is not None:
-        name = f"before@{git_commit(args.before_root)}"
-        runs.append((name, lambda: measure_before(args, argv)))
-    for name, run in runs:
-        result["systems"][name] = run()
-        print_table(name, result["systems"][name])
+    if args.before_root is None:
+        result["systems"][f"octavo@{git_commit(here)}"] = measure(args)
+    else:
+        result["workload"]["rounds"] = args.rounds
+        trees = {
+            f"octavo@{git_commit(here)}": here,
+            f"before@{git_commit(args.before_root)}": args.before_root,
+        }
+        rounds: dict[str, list[dict[str, dict]]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name, root in trees.items():
+                rounds[name].append(measure_in(root, argv))
+        result["systems"] = {name: fastest_rounds(runs) for name, runs in rounds.items()}
+    for name, systems in result["systems"].items():
+        print_table(name, systems)
     if args.result_file is not None:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
         args.result_file.write_text(json.dumps(result, indent=2) + "\n")

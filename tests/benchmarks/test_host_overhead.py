@@ -66,14 +66,14 @@ def test_host_overhead_measures_a_different_baseline_and_attributes_it(tmp_path)
     command = [sys.executable, "-m", "benchmarks.host_overhead",
                "--batch-sizes", *map(str, BATCHES), "--output-len", str(OUTPUT_LEN),
                "--prompt-len", "3-9",
-               "--repeats", "1", "--before-root", str(before),
+               "--repeats", "1", "--before-root", str(before), "--rounds", "2",
                "--result-file", str(result_file)]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(result_file.read_text())
     assert result["machine"]["cpu_count"] == os.cpu_count() and result["machine"]["cpu_model"]
     assert result["workload"]["output_len"] == OUTPUT_LEN and result["workload"]["repeats"] == 1
-    assert result["workload"]["prompt_len"] == [3, 9]
+    assert result["workload"]["prompt_len"] == [3, 9] and result["workload"]["rounds"] == 2
     ours_name, before_name = f"octavo@{short_commit(ROOT)}", f"before@{short_commit(before)}"
     assert list(result["systems"]) == [ours_name, before_name]
     for batches in result["systems"].values():
