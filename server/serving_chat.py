@@ -43,8 +43,9 @@ class ChatStream(ChunkStream["ChatServing", ChatCompletionRequest, ChatCompletio
     def __init__(self, *args: Any):
         super().__init__(*args)
         self._prompt_scored = False  # whether the prompt's logprobs are out
-        # Each choice's tool-call parser (read only with tools).
-        self._parsers = [self.serving.tool_parser(self.request) for _ in range(self.n)]
+        # Each choice's tool-call parser: only a request with tools reads its text through one.
+        parsers = range(self.n) if self.request.tools else ()
+        self._parsers = [self.serving.tool_parser(self.request) for _ in parsers]
         self._called: set[int] = set()  # the choices that called a tool
 
     def opening(self) -> bytes:
